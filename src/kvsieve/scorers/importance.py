@@ -1,0 +1,29 @@
+"""Accumulated attention mass (H2O's heavy-hitter statistic, arXiv 2306.14048)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..observe import Observation
+
+
+@dataclass(frozen=True)
+class ImportanceScorer:
+    """Attention each key received from all prefill queries, summed over its query-head group.
+
+    A key at position t of a causal prefill of length T is seen by only T - t queries, so raw
+    sums favour early tokens. We divide by that count: the score is the mean attention the
+    key received per query that could see it (`normalize=False` gives H2O's raw sum).
+    """
+
+    name: ClassVar[str] = "importance"
+    normalize: bool = True
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        mass = obs.per_kv_head(obs.received)
+        if self.normalize:
+            mass = mass / obs.queries_seeing.clamp(min=1).to(mass.dtype)
+        return mass

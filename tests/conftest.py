@@ -1,0 +1,104 @@
+"""Shared fixtures: tiny random models built in code, and a full-cache masked reference."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM
+
+REFERENCE_ATTENTION = "kvsieve_test_masked_reference"
+
+
+def tiny_llama(seed: int = 0, layers: int = 3, heads: int = 4, kv_heads: int = 2) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=1024,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def model() -> LlamaForCausalLM:
+    return tiny_llama()
+
+
+@pytest.fixture
+def ids() -> torch.Tensor:
+    return torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(1))
+
+
+# allowed[layer][kv_head] -> bool over absolute key positions; None = plain causal attention
+_ALLOWED: dict[int, list[torch.Tensor]] = {}
+
+
+def _masked_reference_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
+):
+    """Full dense cache, float64, causal, and per-(layer, kv-head) masking of dropped positions."""
+    _, n_heads, q_len, _ = query.shape
+    n_kv, kv_len = key.shape[1], key.shape[2]
+    group = n_heads // n_kv
+    key_pos = torch.arange(kv_len)
+    query_pos = torch.arange(kv_len - q_len, kv_len)
+    out = torch.empty_like(query)
+    for h in range(n_heads):
+        kv_h = h // group
+        scores = (query[0, h].double() @ key[0, kv_h].double().T) * scaling
+        allowed = key_pos[None, :] <= query_pos[:, None]
+        if module.layer_idx in _ALLOWED:
+            allowed = allowed & _ALLOWED[module.layer_idx][kv_h][:kv_len][None, :]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[0, h] = (torch.softmax(scores, -1) @ value[0, kv_h].double()).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(REFERENCE_ATTENTION, _masked_reference_attention)
+
+
+class MaskedReference:
+    """A plain transformers model with a full DynamicCache that masks, per layer and kv-head, dropped positions."""
+
+    def __init__(self, model: LlamaForCausalLM, prefix: torch.Tensor, kept: list[list[torch.Tensor]]) -> None:
+        self.model = model
+        self.prefix_len = prefix.shape[1]
+        self.allowed = {}
+        for layer, heads in enumerate(kept):
+            masks = []
+            for positions in heads:
+                allowed = torch.ones(4096, dtype=torch.bool)
+                allowed[: self.prefix_len] = False
+                allowed[positions] = True
+                masks.append(allowed)
+            self.allowed[layer] = masks
+        previous = model.config._attn_implementation
+        model.set_attn_implementation("sdpa")
+        self.cache = DynamicCache()
+        with torch.no_grad():
+            model(prefix, past_key_values=self.cache)
+        model.set_attn_implementation(previous)
+
+    def __enter__(self) -> MaskedReference:
+        self._previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation(REFERENCE_ATTENTION)
+        _ALLOWED.clear()
+        _ALLOWED.update(self.allowed)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _ALLOWED.clear()
+        self.model.set_attn_implementation(self._previous)
+
+
+@pytest.fixture
+def masked_reference() -> Iterator[type[MaskedReference]]:
+    yield MaskedReference
+    _ALLOWED.clear()

@@ -1,0 +1,111 @@
+"""Sieve attention + SievedCache against plain transformers: exact without eviction, masked reference with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvsieve
+from conftest import tiny_llama
+
+GEN = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+
+
+@torch.no_grad()
+def test_full_cache_logits_match_plain_transformers(model, ids):
+    model.set_attn_implementation("sdpa")
+    reference_cache = DynamicCache()
+    ref_prefix = model(ids[:, :80], past_key_values=reference_cache).logits
+    ref_cont = model(ids[:, 80:], past_key_values=reference_cache).logits
+
+    prefill = kvsieve.observe_prefill(model, ids[:, :80])
+    assert model.config._attn_implementation == "sieve"
+    ours_cont = model(ids[:, 80:], past_key_values=prefill.cache).logits
+    torch.testing.assert_close(prefill.last_logits, ref_prefix[:, -1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours_cont, ref_cont, atol=1e-5, rtol=0)
+    assert prefill.cache.get_seq_length() == 120
+
+
+@torch.no_grad()
+def test_rate_zero_generate_matches_plain_transformers(model, ids):
+    model.set_attn_implementation("sdpa")
+    expected = model.generate(ids, **GEN)
+    cache = kvsieve.compress(model, ids[:, :100], "importance", rate=0.0)
+    assert cache.stored_lengths() == [[100, 100]] * 3
+    got = model.generate(ids, past_key_values=cache, **GEN)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("policy", ["importance", "window", "random", "streaming", "knorm"])
+@pytest.mark.parametrize("rate", [0.5, 0.9])
+@torch.no_grad()
+def test_evicted_cache_equals_masked_full_cache(model, ids, masked_reference, policy, rate):
+    """The central check: physical eviction == full cache with the dropped (layer, head, position) masked."""
+    prefix, cont = ids[:, :90], ids[:, 90:]
+    cache = kvsieve.compress(model, prefix, policy, rate, sliding_window=8)
+    kept = [cache.kept_positions(layer) for layer in range(3)]
+    assert all(len(p) < 90 for heads in kept for p in heads)
+    ours = model(cont, past_key_values=cache).logits
+    with masked_reference(model, prefix, kept) as ref:
+        expected = model(cont, past_key_values=ref.cache).logits
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+    everything = [[torch.arange(90)] * 2] * 3
+    with masked_reference(model, prefix, everything) as ref:
+        unmasked = model(cont, past_key_values=ref.cache).logits
+    assert (unmasked - ours).abs().max() > 1e-3, "eviction should change the continuation"
+
+
+@torch.no_grad()
+def test_evicted_generate_equals_masked_full_cache(model, ids, masked_reference):
+    prefix = ids[:, :100]
+    cache = kvsieve.compress(model, prefix, "importance", 0.7, sliding_window=8)
+    kept = [cache.kept_positions(layer) for layer in range(3)]
+    ours = model.generate(ids, past_key_values=cache, **GEN)
+    with masked_reference(model, prefix, kept) as ref:
+        expected = model.generate(ids, past_key_values=ref.cache, **GEN)
+    assert torch.equal(ours, expected)
+    assert cache.get_seq_length() == ids.shape[1] + GEN["max_new_tokens"] - 1
+
+
+@torch.no_grad()
+def test_ragged_heads_equal_masked_full_cache(masked_reference):
+    """Heads keeping different numbers of entries (the layout later allocators use) stay exact."""
+    model = tiny_llama(seed=3)
+    ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(2))
+    prefill = kvsieve.observe_prefill(model, ids[:, :50])
+    gen = torch.Generator().manual_seed(0)
+    keep = [
+        [torch.randperm(50, generator=gen)[: 10 + 15 * h].sort().values for h in range(2)] for _ in range(3)
+    ]
+    prefill.cache.evict(keep)
+    assert prefill.cache.stored_lengths() == [[10, 25]] * 3
+    kept = [prefill.cache.kept_positions(layer) for layer in range(3)]
+    ours = model(ids[:, 50:], past_key_values=prefill.cache).logits
+    with masked_reference(model, ids[:, :50], kept) as ref:
+        expected = model(ids[:, 50:], past_key_values=ref.cache).logits
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+def test_observed_statistics_match_dense_attention(model, ids):
+    """`received` equals the column sums of the model's dense causal attention probabilities."""
+    model.set_attn_implementation("eager")
+    probs = model(ids[:, :64], output_attentions=True).attentions  # per layer [1, heads, q, k]
+    prefill = kvsieve.observe_prefill(model, ids[:, :64], window=5)
+    for layer, obs in enumerate(prefill.observations):
+        torch.testing.assert_close(obs.received, probs[layer][0].sum(1), atol=1e-5, rtol=0)
+        torch.testing.assert_close(obs.received_window, probs[layer][0, :, -5:].sum(1), atol=1e-5, rtol=0)
+        assert torch.equal(obs.queries_seeing, torch.arange(64, 0, -1))
+
+
+@torch.no_grad()
+def test_chunked_observation_is_exact(model, ids, monkeypatch):
+    """Tiny query chunks give the same outputs and statistics as one chunk."""
+    whole = kvsieve.observe_prefill(model, ids)
+    monkeypatch.setattr(kvsieve.attention, "CHUNK_ELEMENTS", 64)
+    chunked = kvsieve.observe_prefill(model, ids)
+    torch.testing.assert_close(chunked.last_logits, whole.last_logits, atol=1e-5, rtol=0)
+    for a, b in zip(whole.observations, chunked.observations, strict=True):
+        torch.testing.assert_close(a.received, b.received, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a.received_window, b.received_window, atol=1e-5, rtol=0)

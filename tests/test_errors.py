@@ -1,0 +1,101 @@
+"""Bad input gets a clear error that names the problem."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM
+
+import kvsieve
+from conftest import tiny_llama
+from kvsieve import PolicyError, UnhookableModelError
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.0, 1.5, "0.5"])
+def test_rate_outside_unit_interval(model, ids, rate):
+    with pytest.raises(PolicyError, match=r"rate must be in \[0, 1\)"):
+        kvsieve.compress(model, ids, "importance", rate)
+    with pytest.raises(PolicyError, match=r"rate must be in \[0, 1\)"):
+        kvsieve.EvictionConfig(eviction_rate=rate)
+
+
+def test_unknown_policy_lists_known_ones(model, ids):
+    with pytest.raises(PolicyError, match="unknown policy 'h2o_typo'; known: importance, window, random"):
+        kvsieve.compress(model, ids, "h2o_typo", 0.5)
+    with pytest.raises(PolicyError, match="unknown policy"):
+        kvsieve.EvictionConfig(eviction_rate=0.5, eviction_mode="nope")
+
+
+def test_bad_policy_parameters():
+    with pytest.raises(PolicyError, match="unknown parameter 'windw' for window; valid: window"):
+        kvsieve.make_policy("window:windw=3")
+    with pytest.raises(PolicyError, match="not a valid int"):
+        kvsieve.make_policy("window:window=abc")
+    with pytest.raises(PolicyError, match="not key=value"):
+        kvsieve.make_policy("random:7")
+    with pytest.raises(PolicyError, match="unknown allocator 'pyramidal'; known: uniform"):
+        kvsieve.make_policy("knorm+pyramidal")
+    policy = kvsieve.make_policy("window:window=16,n_sink=4")
+    assert policy.scorer.window == 16 and policy.n_sink == 4
+
+
+def test_context_shorter_than_protection(model, ids):
+    with pytest.raises(
+        PolicyError, match="nothing to evict: the context has 30 tokens and all are protected"
+    ):
+        kvsieve.compress(model, ids[:, :30], "importance", 0.5)
+    # rate 0 on a short context is fine: nothing is asked to go
+    assert kvsieve.compress(model, ids[:, :30], "importance", 0.0).stored_lengths()[0] == [30, 30]
+
+
+def test_batch_larger_than_one(model, ids):
+    with pytest.raises(ValueError, match="batch size 2 is not supported"):
+        kvsieve.compress(model, ids.repeat(2, 1), "importance", 0.5)
+    cache = kvsieve.compress(model, ids[:, :100], "importance", 0.5)
+    with pytest.raises(ValueError, match="batch size 1 only"):
+        model(ids[:, 100:].repeat(2, 1), past_key_values=cache)
+
+
+def test_beam_search_is_refused(model, ids):
+    cache = kvsieve.compress(model, ids[:, :100], "importance", 0.5)
+    with pytest.raises(ValueError, match="batch size 1 only"):
+        model.generate(ids, past_key_values=cache, max_new_tokens=3, num_beams=2, pad_token_id=0)
+
+
+def test_sliding_window_model_is_refused():
+    config = MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=16,
+    )
+    with pytest.raises(UnhookableModelError, match="sliding-window"):
+        kvsieve.compress(MistralForCausalLM(config).eval(), torch.randint(0, 64, (1, 60)), "importance", 0.5)
+
+
+def test_non_transformers_model_is_refused(ids):
+    with pytest.raises(UnhookableModelError, match="not a transformers PreTrainedModel"):
+        kvsieve.compress(torch.nn.Linear(2, 2), ids, "importance", 0.5)
+
+
+def test_bad_input_ids(model):
+    with pytest.raises(ValueError, match="LongTensor of shape"):
+        kvsieve.compress(model, torch.zeros(50), "importance", 0.5)
+    with pytest.raises(ValueError, match="empty"):
+        kvsieve.compress(model, torch.zeros(1, 0, dtype=torch.long), "importance", 0.0)
+
+
+def test_scorer_window_must_match_observation(model, ids):
+    prefill = kvsieve.observe_prefill(model, ids, window=32)
+    with pytest.raises(ValueError, match="window=8 needs a prefill observed with window 8"):
+        kvsieve.make_policy("window:window=8").keep_indices(prefill.observations, 0.5)
+
+
+def test_apply_twice_is_refused():
+    model = tiny_llama()
+    with kvsieve.apply(model, kvsieve.EvictionConfig(0.5)):
+        with pytest.raises(RuntimeError, match="already applied"):
+            kvsieve.apply(model, kvsieve.EvictionConfig(0.5))
