@@ -40,9 +40,7 @@ def ids() -> torch.Tensor:
 _ALLOWED: dict[int, list[torch.Tensor]] = {}
 
 
-def _masked_reference_attention(
-    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
-):
+def _masked_reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Full dense cache, float64, causal, and per-(layer, kv-head) masking of dropped positions."""
     _, n_heads, q_len, _ = query.shape
     n_kv, kv_len = key.shape[1], key.shape[2]

@@ -75,9 +75,7 @@ def test_ragged_heads_equal_masked_full_cache(masked_reference):
     ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(2))
     prefill = kvsieve.observe_prefill(model, ids[:, :50])
     gen = torch.Generator().manual_seed(0)
-    keep = [
-        [torch.randperm(50, generator=gen)[: 10 + 15 * h].sort().values for h in range(2)] for _ in range(3)
-    ]
+    keep = [[torch.randperm(50, generator=gen)[: 10 + 15 * h].sort().values for h in range(2)] for _ in range(3)]
     prefill.cache.evict(keep)
     assert prefill.cache.stored_lengths() == [[10, 25]] * 3
     kept = [prefill.cache.kept_positions(layer) for layer in range(3)]

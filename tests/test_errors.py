@@ -40,9 +40,7 @@ def test_bad_policy_parameters():
 
 
 def test_context_shorter_than_protection(model, ids):
-    with pytest.raises(
-        PolicyError, match="nothing to evict: the context has 30 tokens and all are protected"
-    ):
+    with pytest.raises(PolicyError, match="nothing to evict: the context has 30 tokens and all are protected"):
         kvsieve.compress(model, ids[:, :30], "importance", 0.5)
     # rate 0 on a short context is fine: nothing is asked to go
     assert kvsieve.compress(model, ids[:, :30], "importance", 0.0).stored_lengths()[0] == [30, 30]
@@ -96,6 +94,8 @@ def test_scorer_window_must_match_observation(model, ids):
 
 def test_apply_twice_is_refused():
     model = tiny_llama()
-    with kvsieve.apply(model, kvsieve.EvictionConfig(0.5)):
-        with pytest.raises(RuntimeError, match="already applied"):
-            kvsieve.apply(model, kvsieve.EvictionConfig(0.5))
+    with (
+        kvsieve.apply(model, kvsieve.EvictionConfig(0.5)),
+        pytest.raises(RuntimeError, match="already applied"),
+    ):
+        kvsieve.apply(model, kvsieve.EvictionConfig(0.5))

@@ -17,9 +17,7 @@ def evicted_count(n_evictable: int, rate: float) -> int:
     return min(n_evictable, math.floor(rate * n_evictable + 0.5))
 
 
-def uniform(
-    scores: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], rate: float
-) -> list[list[int]]:
+def uniform(scores: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
     """Every (layer, kv-head) evicts the same fraction of its evictable entries."""
     counts = []
     for layer_scores, layer_protected in zip(scores, protected, strict=True):
@@ -32,9 +30,7 @@ def uniform(
 ALLOCATORS: dict[str, Allocator] = {"uniform": uniform}
 
 
-def keep_indices(
-    scores: torch.Tensor, protected: torch.Tensor, keep_counts: Sequence[int]
-) -> list[torch.Tensor]:
+def keep_indices(scores: torch.Tensor, protected: torch.Tensor, keep_counts: Sequence[int]) -> list[torch.Tensor]:
     """Sorted indices kept per kv-head: every protected entry plus the `keep_counts[h]` best evictable ones.
 
     Args:

@@ -30,9 +30,7 @@ class UnsupportedAttentionError(ValueError):
 
 def _check_supported(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
     if kwargs.get("sliding_window") is not None:
-        raise UnsupportedAttentionError(
-            "sliding-window attention layers are not supported by SievedCache yet"
-        )
+        raise UnsupportedAttentionError("sliding-window attention layers are not supported by SievedCache yet")
     if kwargs.get("softcap") is not None:
         raise UnsupportedAttentionError("attention logit soft-capping is not supported by SievedCache yet")
     if dropout and module.training:

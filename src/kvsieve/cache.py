@@ -96,18 +96,14 @@ class SievedLayer(CacheLayerMixin):
     def keep(self, keep_indices: Sequence[torch.Tensor]) -> SievedLayer:
         """A new layer holding only the stored entries at `keep_indices` (one index tensor per kv-head)."""
         if len(keep_indices) != len(self.head_keys):
-            raise ValueError(
-                f"need one index tensor per kv-head ({len(self.head_keys)}), got {len(keep_indices)}"
-            )
+            raise ValueError(f"need one index tensor per kv-head ({len(self.head_keys)}), got {len(keep_indices)}")
         out = SievedLayer()
         out.dtype, out.device, out.is_initialized = self.dtype, self.device, True
         out.seen_tokens = self.seen_tokens
         for h, idx in enumerate(keep_indices):
             idx = idx.to(device=self.device, dtype=torch.long)
             if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.head_keys[h].shape[1]):
-                raise IndexError(
-                    f"keep index out of range for kv-head {h} ({self.head_keys[h].shape[1]} stored)"
-                )
+                raise IndexError(f"keep index out of range for kv-head {h} ({self.head_keys[h].shape[1]} stored)")
             out.head_keys.append(self.head_keys[h].index_select(1, idx))
             out.head_values.append(self.head_values[h].index_select(1, idx))
             out.head_positions.append(self.head_positions[h].index_select(0, idx))

@@ -78,8 +78,7 @@ class Policy:
         rate = check_rate(rate)
         seen = int(observations[0].positions.max()) + 1
         protected = [
-            protected_mask(o.positions, seen, self.n_sink, self.sliding_window, protect_positions)
-            for o in observations
+            protected_mask(o.positions, seen, self.n_sink, self.sliding_window, protect_positions) for o in observations
         ]
         n_evictable = int((~protected[0]).sum())
         if rate > 0 and n_evictable == 0:
@@ -124,9 +123,7 @@ def make_policy(spec: str | Policy, **params: object) -> Policy:
             raise PolicyError("parameters cannot be given together with a Policy object")
         return spec
     if not isinstance(spec, str) or not spec.strip():
-        raise PolicyError(
-            f"a policy is a name such as 'importance', got {spec!r}; known: {', '.join(SCORERS)}"
-        )
+        raise PolicyError(f"a policy is a name such as 'importance', got {spec!r}; known: {', '.join(SCORERS)}")
     head, _, param_text = spec.strip().partition(":")
     scorer_name, _, allocator = head.partition("+")
     if scorer_name not in SCORERS:
