@@ -48,6 +48,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrai
     stat = path.stat()
     converted = cache_home() / f"{path.stem}-{stat.st_size}"
     if not (converted / "config.json").exists():
+        print(f"kvsieve: converting {path.name} once (about 30 s); the result is kept in {converted}")
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
         converted.parent.mkdir(parents=True, exist_ok=True)

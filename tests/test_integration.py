@@ -1,0 +1,39 @@
+"""A few checks on the embedded default model (SmolLM2-135M-Instruct); kept small on purpose."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvsieve
+from kvsieve.data import sample_documents
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    return kvsieve.load_model()
+
+
+@torch.no_grad()
+def test_default_model_full_cache_matches_sdpa_and_compressed_generate_runs(default_model):
+    model, tokenizer = default_model
+    config = model.config
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (30, 9, 3)
+    _, ids = sample_documents(tokenizer, 1, 300, seed=1)[0]
+    assert ids.shape == (1, 300) and ids[0, 0] == tokenizer.bos_token_id
+
+    model.set_attn_implementation("sdpa")
+    expected = model(ids).logits[0, 250:]
+    prefill = kvsieve.observe_prefill(model, ids[:, :250])
+    got = model(ids[:, 250:], past_key_values=prefill.cache).logits[0]
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+    cache = kvsieve.compress(model, ids[:, :250], "importance", rate=0.8)
+    kept = 250 - round(0.8 * (250 - 1 - 32))
+    assert cache.stored_lengths() == [[kept] * 3] * 30
+    assert cache.nbytes() == prefill.cache.nbytes() * kept // 300
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 308)
+    assert cache.get_seq_length() == 307
