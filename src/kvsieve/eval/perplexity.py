@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,40 +124,43 @@ def run_ppl(
         raise ValueError(f"policy names must be distinct, got {names}")
     result = PplResult(names, list(rates), prefix, continuation, [name for name, _ in documents])
     timers = {"prefill": 0.0, "evict": 0.0, "continuation": 0.0}
+
+    @contextmanager
+    def timed(stage: str) -> Iterator[None]:
+        tick = time.perf_counter()
+        yield
+        timers[stage] += time.perf_counter() - tick
+
     total = len(documents) * (1 + len(resolved) * len(rates))
     done = 0
-    start = time.perf_counter()
-    for doc_index, (_, ids) in enumerate(documents):
-        context, feed = ids[:, :prefix], ids[:, prefix : prefix + continuation + 1]
 
-        tick = time.perf_counter()
-        prefill = observe_prefill(model, context, window=window)
-        timers["prefill"] += time.perf_counter() - tick
-
-        tick = time.perf_counter()
-        result.nll_full.append(continuation_nll(model, prefill.cache.copy(), feed))
-        result.kv_bytes_full.append(prefill.cache.nbytes())
-        timers["continuation"] += time.perf_counter() - tick
+    def step() -> None:
+        nonlocal done
         done += 1
         if progress:
             progress(done, total)
 
+    start = time.perf_counter()
+    for doc_index, (_, ids) in enumerate(documents):
+        context, feed = ids[:, :prefix], ids[:, prefix : prefix + continuation + 1]
+        with timed("prefill"):
+            prefill = observe_prefill(model, context, window=window)
+        with timed("continuation"):
+            result.nll_full.append(continuation_nll(model, prefill.cache.copy(), feed))
+            result.kv_bytes_full.append(prefill.cache.nbytes())
+        step()
+
         for policy in resolved:
             doc_policy = _for_document(policy, doc_index)
             for rate in rates:
-                tick = time.perf_counter()
                 if reprefill:
-                    prefill = observe_prefill(model, context, window=window)
-                    timers["prefill"] += time.perf_counter() - tick
-                    tick = time.perf_counter()
-                cache = prefill.cache.keep(doc_policy.keep_indices(prefill.observations, rate))
-                timers["evict"] += time.perf_counter() - tick
-                tick = time.perf_counter()
-                result.kv_bytes.setdefault((policy.name, rate), []).append(cache.nbytes())
-                result.nll.setdefault((policy.name, rate), []).append(continuation_nll(model, cache, feed))
-                timers["continuation"] += time.perf_counter() - tick
-                done += 1
-                if progress:
-                    progress(done, total)
+                    with timed("prefill"):
+                        prefill = observe_prefill(model, context, window=window)
+                with timed("evict"):
+                    cache = prefill.cache.keep(doc_policy.keep_indices(prefill.observations, rate))
+                with timed("continuation"):
+                    result.kv_bytes.setdefault((policy.name, rate), []).append(cache.nbytes())
+                    result.nll.setdefault((policy.name, rate), []).append(continuation_nll(model, cache, feed))
+                step()
     result.seconds = {**timers, "total": time.perf_counter() - start}
     return result
