@@ -39,3 +39,48 @@ def test_short_prompts_pass_through(model, ids):
     with kvsieve.apply(model, kvsieve.EvictionConfig(eviction_rate=0.5)) as handle:
         model.generate(ids[:, :20], **GEN)
         assert handle.last_cache is None
+
+
+@torch.no_grad()
+def test_apply_with_a_budget_allocator(model, ids):
+    config = kvsieve.EvictionConfig(eviction_rate=0.8, eviction_mode="snapkv", budget="adaptive")
+    with kvsieve.apply(model, config) as handle:
+        out = model.generate(ids, **GEN)
+        ragged = handle.last_cache.stored_lengths()
+    manual = kvsieve.compress(model, ids[:, :-1], "snapkv", 0.8, budget="adaptive")
+    assert [[n + GEN["max_new_tokens"] for n in layer] for layer in manual.stored_lengths()] == ragged
+    assert torch.equal(model.generate(ids, past_key_values=manual, **GEN), out)
+
+
+@torch.no_grad()
+def test_question_aware_compression(model, ids, masked_reference):
+    """The question's queries drive the window scores, its entries are protected, and decoding stays exact."""
+    context, question = ids[:, :90], ids[:, 90:110]
+    aware = kvsieve.compress(model, context, "snapkv:window=20", 0.8, question_ids=question, sliding_window=4)
+    agnostic = kvsieve.compress(model, context, "snapkv:window=20", 0.8, sliding_window=4)
+    assert aware.get_seq_length() == 110 and agnostic.get_seq_length() == 90
+
+    # reference: scores from the joint prefill, whose last 20 queries are exactly the question
+    joint = kvsieve.observe_prefill(model, ids[:, :110], window=32, accumulate=False)
+    question_positions = torch.arange(90, 110)
+    keep = kvsieve.make_policy("snapkv:window=20,sliding_window=4").keep_indices(
+        joint.observations, 0.8, protect_positions=torch.arange(86, 110)
+    )
+    for layer in range(3):
+        for head, positions in enumerate(aware.kept_positions(layer)):
+            assert torch.equal(positions, keep[layer][head])
+            assert set(question_positions.tolist()) <= set(positions.tolist())
+    # the agnostic cache keeps the same number of context entries, chosen from the context's own last queries
+    context_kept = [[p[p < 90] for p in aware.kept_positions(layer)] for layer in range(3)]
+    assert [[len(p) for p in layer] for layer in context_kept] == agnostic.stored_lengths()
+    assert any(
+        not torch.equal(a, b)
+        for layer in range(3)
+        for a, b in zip(context_kept[layer], agnostic.kept_positions(layer), strict=True)
+    )
+
+    answer = ids[:, 110:]
+    ours = model(answer, past_key_values=aware).logits
+    with masked_reference(model, ids[:, :110], [aware.kept_positions(layer) for layer in range(3)]) as ref:
+        expected = model(answer, past_key_values=ref.cache).logits
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)

@@ -10,9 +10,10 @@ import torch
 
 import kvsieve
 from kvsieve.allocators import evicted_count
+from kvsieve.scorers import SCORERS
 
 
-@pytest.mark.parametrize("policy", ["importance", "window", "random", "streaming", "knorm"])
+@pytest.mark.parametrize("policy", list(SCORERS))
 @pytest.mark.parametrize("rate", [0.0, 0.3, 0.8])
 def test_kept_counts_and_protection(model, ids, policy, rate):
     n_sink, window = 4, 16

@@ -8,6 +8,7 @@ from transformers import DynamicCache
 
 import kvsieve
 from conftest import tiny_llama
+from kvsieve.scorers import SCORERS
 
 GEN = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
 
@@ -37,7 +38,7 @@ def test_rate_zero_generate_matches_plain_transformers(model, ids):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("policy", ["importance", "window", "random", "streaming", "knorm"])
+@pytest.mark.parametrize("policy", list(SCORERS))
 @pytest.mark.parametrize("rate", [0.5, 0.9])
 @torch.no_grad()
 def test_evicted_cache_equals_masked_full_cache(model, ids, masked_reference, policy, rate):
@@ -87,13 +88,14 @@ def test_ragged_heads_equal_masked_full_cache(masked_reference):
 
 @torch.no_grad()
 def test_observed_statistics_match_dense_attention(model, ids):
-    """`received` equals the column sums of the model's dense causal attention probabilities."""
+    """`received` equals the column sums of the dense causal attention; window attention equals its last rows."""
     model.set_attn_implementation("eager")
     probs = model(ids[:, :64], output_attentions=True).attentions  # per layer [1, heads, q, k]
     prefill = kvsieve.observe_prefill(model, ids[:, :64], window=5)
     for layer, obs in enumerate(prefill.observations):
         torch.testing.assert_close(obs.received, probs[layer][0].sum(1), atol=1e-5, rtol=0)
-        torch.testing.assert_close(obs.received_window, probs[layer][0, :, -5:].sum(1), atol=1e-5, rtol=0)
+        torch.testing.assert_close(obs.window_attention(5), probs[layer][0, :, -5:], atol=1e-5, rtol=0)
+        torch.testing.assert_close(obs.window_attention(1), probs[layer][0, :, -1:], atol=1e-5, rtol=0)
         assert torch.equal(obs.queries_seeing, torch.arange(64, 0, -1))
 
 
@@ -106,4 +108,15 @@ def test_chunked_observation_is_exact(model, ids, monkeypatch):
     torch.testing.assert_close(chunked.last_logits, whole.last_logits, atol=1e-5, rtol=0)
     for a, b in zip(whole.observations, chunked.observations, strict=True):
         torch.testing.assert_close(a.received, b.received, atol=1e-5, rtol=0)
-        torch.testing.assert_close(a.received_window, b.received_window, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_prefill_without_accumulation_is_exact(model, ids):
+    """Window-only observation (fused SDPA path) gives the same logits, queries and cache as the accumulating one."""
+    accumulated = kvsieve.observe_prefill(model, ids, window=8)
+    fused = kvsieve.observe_prefill(model, ids, window=8, accumulate=False)
+    torch.testing.assert_close(fused.last_logits, accumulated.last_logits, atol=1e-5, rtol=0)
+    for a, b in zip(accumulated.observations, fused.observations, strict=True):
+        assert b.received is None and a.received is not None
+        torch.testing.assert_close(b.window_queries, a.window_queries, atol=1e-5, rtol=0)
+        torch.testing.assert_close(b.keys, a.keys, atol=1e-5, rtol=0)

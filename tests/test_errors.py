@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM
@@ -9,6 +11,9 @@ from transformers import MistralConfig, MistralForCausalLM
 import kvsieve
 from conftest import tiny_llama
 from kvsieve import PolicyError, UnhookableModelError
+from kvsieve.allocators import ALLOCATORS
+from kvsieve.policy import split_policies
+from kvsieve.scorers import SCORERS
 
 
 @pytest.mark.parametrize("rate", [-0.1, 1.0, 1.5, "0.5"])
@@ -33,10 +38,50 @@ def test_bad_policy_parameters():
         kvsieve.make_policy("window:window=abc")
     with pytest.raises(PolicyError, match="not key=value"):
         kvsieve.make_policy("random:7")
-    with pytest.raises(PolicyError, match="unknown allocator 'pyramidal'; known: uniform"):
+    with pytest.raises(
+        PolicyError, match="unknown budget allocator 'pyramidal'; known: uniform, pyramid, adaptive, global"
+    ):
         kvsieve.make_policy("knorm+pyramidal")
+    with pytest.raises(PolicyError, match=r"unknown parameter 'beta' for snapkv\+adaptive; valid: .*safeguard"):
+        kvsieve.make_policy("snapkv+adaptive:beta=3")
+    with pytest.raises(PolicyError, match="beta must be >= 1"):
+        kvsieve.make_policy("snapkv+pyramid:beta=0.5")
+    with pytest.raises(PolicyError, match="safeguard must be in"):
+        kvsieve.make_policy("snapkv", budget="adaptive", safeguard=1.5)
+    with pytest.raises(PolicyError, match="unknown calibration 'rank'; valid: mass, zscore"):
+        kvsieve.make_policy("snapkv+global:calibration=rank")
+    with pytest.raises(PolicyError, match="kernel must be an odd number"):
+        kvsieve.make_policy("snapkv:kernel=4")
+    with pytest.raises(PolicyError, match="names allocator 'pyramid' but budget='adaptive'"):
+        kvsieve.make_policy("snapkv+pyramid", budget="adaptive")
     policy = kvsieve.make_policy("window:window=16,n_sink=4")
     assert policy.scorer.window == 16 and policy.n_sink == 4
+
+
+def test_policy_specs_round_trip_and_split():
+    """`Policy.name` is a canonical spec that parses back to an equal policy; CLI lists split correctly."""
+    for spec in [
+        "snapkv",
+        "snapkv+adaptive:window=16,safeguard=0.3",
+        "h2o+global:recent=0.2,calibration=zscore,n_sink=4",
+    ]:
+        policy = kvsieve.make_policy(spec)
+        assert kvsieve.make_policy(policy.name) == policy
+    assert kvsieve.make_policy("window:keykey=true").name == "window:keykey=true"
+    assert kvsieve.make_policy("snapkv", budget="global").name == "snapkv+global"
+    assert split_policies("snapkv+adaptive:window=16,kernel=7,random, window:keykey=1") == [
+        "snapkv+adaptive:window=16,kernel=7",
+        "random",
+        "window:keykey=1",
+    ]
+
+
+def test_scorer_and_allocator_parameters_never_collide():
+    for scorer in SCORERS.values():
+        scorer_fields = {f.name for f in dataclasses.fields(scorer)}
+        assert not scorer_fields & {"n_sink", "sliding_window"}
+        for allocator in ALLOCATORS.values():
+            assert not scorer_fields & {f.name for f in dataclasses.fields(allocator)}
 
 
 def test_context_shorter_than_protection(model, ids):
@@ -87,9 +132,11 @@ def test_bad_input_ids(model):
 
 
 def test_scorer_window_must_match_observation(model, ids):
-    prefill = kvsieve.observe_prefill(model, ids, window=32)
-    with pytest.raises(ValueError, match="window=8 needs a prefill observed with window 8"):
-        kvsieve.make_policy("window:window=8").keep_indices(prefill.observations, 0.5)
+    prefill = kvsieve.observe_prefill(model, ids, window=32, accumulate=False)
+    with pytest.raises(ValueError, match="window=64 needs a prefill observed with window >= 64, got 32"):
+        kvsieve.make_policy("window:window=64").keep_indices(prefill.observations, 0.5)
+    with pytest.raises(ValueError, match="importance needs the attention accumulated over all queries"):
+        kvsieve.make_policy("importance").keep_indices(prefill.observations, 0.5)
 
 
 def test_apply_twice_is_refused():

@@ -1,15 +1,28 @@
-"""Allocators: turn scores and an eviction rate into keep counts per (layer, kv-head), then keep indices."""
+"""Allocators: turn scores and an eviction rate into keep counts per (layer, kv-head).
+
+Every allocator keeps the same total number of entries as `uniform` (the rate is the rate);
+they differ in where the entries go. Counts are of evictable entries: protected entries are
+kept on top of them.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 import torch
 
-#: (scores per layer `[kv_heads, n]`, protected mask per layer `[n]`, rate) -> keep counts of
-#: evictable entries per (layer, kv-head).
-Allocator = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor], float], list[list[int]]]
+
+class Allocator(Protocol):
+    """Splits the kept entries over layers and kv-heads."""
+
+    name: ClassVar[str]
+
+    def counts(self, scores: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
+        """Keep counts of evictable entries per (layer, kv-head), from scores `[kv_heads, n]` and masks `[n]`."""
+        ...
 
 
 def evicted_count(n_evictable: int, rate: float) -> int:
@@ -17,17 +30,193 @@ def evicted_count(n_evictable: int, rate: float) -> int:
     return min(n_evictable, math.floor(rate * n_evictable + 0.5))
 
 
-def uniform(scores: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
-    """Every (layer, kv-head) evicts the same fraction of its evictable entries."""
-    counts = []
-    for layer_scores, layer_protected in zip(scores, protected, strict=True):
-        n_evictable = int((~layer_protected).sum())
-        keep = n_evictable - evicted_count(n_evictable, rate)
-        counts.append([keep] * layer_scores.shape[0])
+def uniform_keep(n_evictable: int, rate: float) -> int:
+    """Evictable entries one head keeps under a uniform split."""
+    return n_evictable - evicted_count(n_evictable, rate)
+
+
+def apportion(targets: Sequence[float], caps: Sequence[int], total: int) -> list[int]:
+    """Integers `0 <= c_i <= caps[i]` summing to `total`, as close to `targets` as possible.
+
+    Targets above their cap are clipped and the excess is spread over the others in
+    proportion to their targets; then floors plus largest remainders.
+    """
+    if total > sum(caps):
+        raise ValueError(f"cannot place {total} entries in caps summing to {sum(caps)}")
+    share = [min(max(t, 0.0), c) for t, c in zip(targets, caps, strict=True)]
+    for _ in range(len(share)):
+        deficit = total - sum(share)
+        free = [i for i, c in enumerate(caps) if share[i] < c]
+        if abs(deficit) < 1e-9 or not free:
+            break
+        weight = sum(share[i] for i in free)
+        for i in free:
+            extra = deficit * (share[i] / weight if weight > 0 else 1 / len(free))
+            share[i] = min(max(share[i] + extra, 0.0), caps[i])
+    counts = [min(math.floor(s), c) for s, c in zip(share, caps, strict=True)]
+    order = sorted(range(len(share)), key=lambda i: share[i] - counts[i], reverse=True)
+    remaining = total - sum(counts)
+    while remaining > 0:
+        for i in order:
+            if remaining and counts[i] < caps[i]:
+                counts[i] += 1
+                remaining -= 1
     return counts
 
 
-ALLOCATORS: dict[str, Allocator] = {"uniform": uniform}
+def pooled_counts(scores: Sequence[torch.Tensor], floors: Sequence[int], total: int) -> list[int]:
+    """Each head keeps its `floors[h]` best entries; the other `total - sum(floors)` go to the best of all heads.
+
+    Args:
+        scores: one 1-D tensor of evictable-entry scores per head, on one comparable scale.
+    """
+    boosted, owner = [], []
+    for h, (head_scores, floor) in enumerate(zip(scores, floors, strict=True)):
+        head = head_scores.float().clone()
+        if floor:
+            head[torch.topk(head, floor).indices] = float("inf")
+        boosted.append(head)
+        owner.append(torch.full_like(head, h, dtype=torch.long))
+    chosen = torch.topk(torch.cat(boosted), total).indices
+    return torch.bincount(torch.cat(owner)[chosen], minlength=len(scores)).tolist()
+
+
+def pyramid_budgets(mean: float, num_layers: int, beta: float) -> list[float]:
+    """PyramidKV's linear schedule: layer 0 keeps `2 mean - mean / beta`, the last layer `mean / beta`."""
+    if num_layers == 1:
+        return [mean]
+    low = mean / beta
+    step = (2 * mean - 2 * low) / (num_layers - 1)
+    return [2 * mean - low - layer * step for layer in range(num_layers)]
+
+
+def mass_share(scores: torch.Tensor) -> torch.Tensor:
+    """Each entry's share of its head's score mass (scores shifted to be >= 0 first)."""
+    shifted = scores.float() - scores.min().clamp(max=0)
+    total = shifted.sum()
+    return shifted / total if total > 0 else torch.full_like(shifted, 1.0 / max(1, shifted.numel()))
+
+
+def zscore(scores: torch.Tensor) -> torch.Tensor:
+    """Scores standardised within their head: `(s - mean) / std`."""
+    scores = scores.float()
+    std = scores.std() if scores.numel() > 1 else scores.new_zeros(())
+    return (scores - scores.mean()) / std if std > 0 else torch.zeros_like(scores)
+
+
+CALIBRATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"mass": mass_share, "zscore": zscore}
+
+
+def _evictable(scores: Sequence[torch.Tensor], protected: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    return [[head[~mask] for head in layer] for layer, mask in zip(scores, protected, strict=True)]
+
+
+def _per_layer(flat: Sequence[int], heads: Sequence[int]) -> list[list[int]]:
+    """Split a flat list of per-head counts back into layers of `heads[l]` heads."""
+    out, start = [], 0
+    for h in heads:
+        out.append(list(flat[start : start + h]))
+        start += h
+    return out
+
+
+def _check_fraction(name: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value}")
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """Every (layer, kv-head) evicts the same fraction of its evictable entries."""
+
+    name: ClassVar[str] = "uniform"
+
+    def counts(self, scores: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
+        return [[uniform_keep(int((~p).sum()), rate)] * s.shape[0] for s, p in zip(scores, protected, strict=True)]
+
+
+@dataclass(frozen=True)
+class Pyramid:
+    """PyramidKV (arXiv 2406.02069): lower layers keep more, on a linear schedule set by `beta`.
+
+    The last layer keeps `1/beta` of the mean budget, the first `2 - 1/beta` of it; a layer's
+    budget above its evictable entries is clipped and the excess spread over the others.
+    """
+
+    name: ClassVar[str] = "pyramid"
+    beta: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.beta < 1:
+            raise ValueError(f"beta must be >= 1, got {self.beta}")
+
+    def counts(self, scores: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
+        heads = [s.shape[0] for s in scores]
+        n_evictable = [int((~p).sum()) for p in protected]
+        total = sum(h * uniform_keep(n, rate) for h, n in zip(heads, n_evictable, strict=True))
+        mean = total / sum(heads)
+        budgets = pyramid_budgets(mean, len(scores), self.beta)
+        targets = [b for b, h in zip(budgets, heads, strict=True) for _ in range(h)]
+        caps = [n for n, h in zip(n_evictable, heads, strict=True) for _ in range(h)]
+        return _per_layer(apportion(targets, caps, total), heads)
+
+
+@dataclass(frozen=True)
+class Adaptive:
+    """AdaKV (arXiv 2407.11550): inside each layer, kv-heads compete for the layer's budget by raw score.
+
+    Each head first keeps `safeguard` of its uniform share (its best entries); the rest of the
+    layer's budget goes to the best-scoring entries of any head.
+    """
+
+    name: ClassVar[str] = "adaptive"
+    safeguard: float = 0.2
+
+    def __post_init__(self) -> None:
+        _check_fraction("safeguard", self.safeguard)
+
+    def counts(self, scores: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
+        counts = []
+        for layer_scores in _evictable(scores, protected):
+            share = uniform_keep(layer_scores[0].numel(), rate)
+            floors = [math.floor(self.safeguard * share)] * len(layer_scores)
+            counts.append(pooled_counts(layer_scores, floors, share * len(layer_scores)))
+        return counts
+
+
+@dataclass(frozen=True)
+class Global:
+    """One pool for all layers and kv-heads: entries compete on calibrated scores.
+
+    Raw scores of different layers are not on one scale, so each head's evictable scores are
+    calibrated first: `mass` (default) turns them into the head's share of its score mass
+    (for attention scores: the share of attention the entry holds; the pool then keeps the
+    entries that retain the most attention summed over heads); `zscore` standardises them
+    per head. Each head keeps at least `safeguard` of its uniform share.
+    """
+
+    name: ClassVar[str] = "global"
+    calibration: str = "mass"
+    safeguard: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.calibration not in CALIBRATIONS:
+            raise ValueError(f"unknown calibration {self.calibration!r}; valid: {', '.join(CALIBRATIONS)}")
+        _check_fraction("safeguard", self.safeguard)
+
+    def counts(self, scores: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
+        calibrate = CALIBRATIONS[self.calibration]
+        heads, flat, floors, total = [], [], [], 0
+        for layer_scores in _evictable(scores, protected):
+            share = uniform_keep(layer_scores[0].numel(), rate)
+            heads.append(len(layer_scores))
+            flat.extend(calibrate(s) for s in layer_scores)
+            floors.extend([math.floor(self.safeguard * share)] * len(layer_scores))
+            total += share * len(layer_scores)
+        return _per_layer(pooled_counts(flat, floors, total), heads)
+
+
+ALLOCATORS: dict[str, type] = {cls.name: cls for cls in (Uniform, Pyramid, Adaptive, Global)}
 
 
 def keep_indices(scores: torch.Tensor, protected: torch.Tensor, keep_counts: Sequence[int]) -> list[torch.Tensor]:

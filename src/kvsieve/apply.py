@@ -19,6 +19,8 @@ def compress(
     policy: str | Policy = "importance",
     rate: float = 0.5,
     *,
+    budget: str | None = None,
+    question_ids: torch.Tensor | None = None,
     protect_positions: torch.Tensor | None = None,
     **policy_params: object,
 ) -> SievedCache:
@@ -27,15 +29,35 @@ def compress(
     The model is switched to sieve attention (exact; identical to SDPA for ordinary caches).
     Continue with `model.generate(torch.cat([input_ids, new_ids], -1), past_key_values=cache)`.
 
+    Question-agnostic (default): only the context is seen before eviction. Question-aware
+    (`question_ids` given): the context and the question are prefilled together, so the
+    question's queries feed the statistics (they are the last queries, the window scorers
+    read); the question's entries are protected and stay in the cache, and so does the
+    context's recent window, so both modes evict the same number of context entries. Continue with
+    `torch.cat([input_ids, question_ids, new_ids], -1)`.
+
     Args:
-        policy: a `Policy` or a spec such as ``"importance"`` or ``"window:window=16"``.
+        policy: a `Policy` or a spec such as ``"snapkv"`` or ``"snapkv+adaptive:window=16"``.
         rate: evicted fraction of the evictable entries, in [0, 1).
-        protect_positions: positions never to evict (e.g. the question).
-        policy_params: scorer parameters and `n_sink` / `sliding_window`.
+        budget: the allocator (``uniform``, ``pyramid``, ``adaptive``, ``global``) if `policy` names none.
+        question_ids: `[1, q]` tokens of the question, for question-aware compression.
+        protect_positions: positions never to evict.
+        policy_params: scorer and allocator parameters and `n_sink` / `sliding_window`.
     """
     rate = check_rate(rate)
-    resolved = make_policy(policy, **policy_params)
-    prefill = observe_prefill(model, input_ids, window=resolved.observation_window)
+    resolved = make_policy(policy, budget=budget, **policy_params)
+    if question_ids is not None:
+        if not isinstance(question_ids, torch.Tensor) or question_ids.ndim != 2 or question_ids.shape[0] != 1:
+            raise ValueError("question_ids must be a LongTensor of shape [1, tokens]")
+        # the question and, as in the agnostic case, the context's own recent window are protected
+        start = input_ids.shape[-1]
+        first = max(0, start - resolved.sliding_window)
+        protected = torch.arange(first, start + question_ids.shape[-1], device=input_ids.device)
+        protect_positions = protected if protect_positions is None else torch.cat([protect_positions, protected])
+        input_ids = torch.cat([input_ids, question_ids.to(input_ids.device)], dim=-1)
+    prefill = observe_prefill(
+        model, input_ids, window=resolved.observation_window, accumulate=resolved.needs_accumulated
+    )
     keep = resolved.keep_indices(prefill.observations, rate, protect_positions)
     prefill.cache.evict(keep)
     return prefill.cache
@@ -43,10 +65,15 @@ def compress(
 
 @dataclass(frozen=True)
 class EvictionConfig:
-    """The one-call configuration: evict `eviction_rate` of each prompt's evictable entries with `eviction_mode`."""
+    """The one-call configuration: evict `eviction_rate` of each prompt's evictable entries.
+
+    `eviction_mode` is a policy spec (scorer, optionally `+allocator` and parameters); `budget`
+    names the allocator when the spec does not.
+    """
 
     eviction_rate: float
     eviction_mode: str = "importance"
+    budget: str | None = None
     n_sink: int = 1
     sliding_window: int = 32
 
@@ -55,7 +82,9 @@ class EvictionConfig:
         self.policy()  # validates the mode and the protection
 
     def policy(self) -> Policy:
-        return make_policy(self.eviction_mode, n_sink=self.n_sink, sliding_window=self.sliding_window)
+        return make_policy(
+            self.eviction_mode, budget=self.budget, n_sink=self.n_sink, sliding_window=self.sliding_window
+        )
 
 
 class SieveHandle:

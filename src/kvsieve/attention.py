@@ -4,8 +4,8 @@ Registered in `transformers`' attention interface under the name ``"sieve"``. Wi
 key/value tensors (any other cache, or none) it is exactly the model's own SDPA attention.
 With a `LayerView` from a `SievedCache` it attends, per kv-head, to that head's stored
 entries, masking causally by their original positions. During an observed prefill it
-computes attention in query chunks and reports, per query head, the attention each key
-received in total and from the last `window` queries.
+records the last `window` queries of every layer and, when a scorer needs it, computes
+attention in query chunks to report the attention each key received from all queries.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from .cache import LayerView
+from .cache import LayerStatistics, LayerView
 
 ATTENTION_NAME = "sieve"
 
@@ -46,42 +46,38 @@ def _observed_head_attention(
     key_positions: torch.Tensor,
     query_positions: torch.Tensor,
     scaling: float,
-    window: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Exact attention of one kv-head's query group, in query chunks, with per-key statistics.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of one kv-head's query group, in query chunks, with the attention each key received.
 
     Args:
-        query: `[group, q, d]`; keys, values: `[n, d]`; positions: `[n]` and `[q]`.
+        query: `[group, q, d]`; keys, values: `[n, d]`; positions: `[n]` and `[q]`, both sorted.
 
     Returns:
-        output `[group, q, d]`, attention received per key summed over all queries `[group, n]`,
-        and summed over the last `window` queries `[group, n]`.
+        output `[group, q, d]` and the attention received per key, summed over all queries, `[group, n]`.
 
+    A chunk of queries only reads the keys at or before its last query (causal block skipping).
     Peak extra memory: two float32 blocks of `group * chunk * n` elements (scores and
-    probabilities) with `chunk = CHUNK_ELEMENTS // (group * n)`, i.e. about 64 MiB, plus the
-    statistics; the full `q x n` matrix is never held.
+    probabilities) with `chunk = CHUNK_ELEMENTS // (group * n)`, i.e. about 64 MiB; the full
+    `q x n` matrix is never held.
     """
     group, q_len, _ = query.shape
     n = keys.shape[0]
     chunk = max(1, CHUNK_ELEMENTS // max(1, group * n))
     out = torch.empty_like(query)
     received = torch.zeros(group, n, dtype=torch.float32, device=query.device)
-    received_window = torch.zeros_like(received)
-    keys_t = keys.float().t()
-    values_f = values.float()
-    first_window_row = q_len - window
+    keys_f, values_f = keys.float(), values.float()
+    visible_until = torch.searchsorted(key_positions, query_positions, right=True)
     for start in range(0, q_len, chunk):
         stop = min(q_len, start + chunk)
-        scores = (query[:, start:stop].float() @ keys_t) * scaling
-        future = key_positions[None, :] > query_positions[start:stop, None]
+        visible = int(visible_until[stop - 1])
+        scores = (query[:, start:stop].float() @ keys_f[:visible].t()) * scaling
+        future = key_positions[None, :visible] > query_positions[start:stop, None]
         scores.masked_fill_(future, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         del scores
-        out[:, start:stop] = (probs @ values_f).to(query.dtype)
-        received += probs.sum(dim=1)
-        if stop > first_window_row:
-            received_window += probs[:, max(0, first_window_row - start) :].sum(dim=1)
-    return out, received, received_window
+        out[:, start:stop] = (probs @ values_f[:visible]).to(query.dtype)
+        received[:, :visible] += probs.sum(dim=1)
+    return out, received
 
 
 def _head_attention(
@@ -92,16 +88,22 @@ def _head_attention(
     query_positions: torch.Tensor,
     scaling: float,
 ) -> torch.Tensor:
-    """Exact attention of one kv-head's query group `[group, q, d]` over its stored entries `[n, d]`.
+    """Exact attention of one kv-head's query group `[group, q, d]` over its stored entries `[n, d]` (SDPA).
 
-    The group is folded into the query axis so the head's keys are read once.
+    Positions are sorted, so three layouts cover every call: all keys precede all queries
+    (decoding: no mask), keys are exactly the queries (a fresh prefill: causal), or anything
+    else (a masked SDPA with the group folded into the query axis so the keys are read once).
     """
     group, q_len, dim = query.shape
-    allowed = key_positions[None, :] <= query_positions[:, None]
-    mask = None if bool(allowed.all()) else allowed.repeat(group, 1)
-    out = F.scaled_dot_product_attention(
-        query.reshape(1, group * q_len, dim), keys[None], values[None], attn_mask=mask, scale=scaling
-    )
+    if keys.shape[0] == q_len and torch.equal(key_positions, query_positions):
+        shape = (1, group, q_len, dim)
+        keys, values = keys[None, None].expand(shape), values[None, None].expand(shape)
+        return F.scaled_dot_product_attention(query[None], keys, values, is_causal=True, scale=scaling)[0]
+    mask = None
+    if int(key_positions[-1]) > int(query_positions[0]):
+        mask = (key_positions[None, :] <= query_positions[:, None]).repeat(group, 1)
+    folded = query.reshape(1, group * q_len, dim)
+    out = F.scaled_dot_product_attention(folded, keys[None], values[None], attn_mask=mask, scale=scaling)
     return out.reshape(group, q_len, dim)
 
 
@@ -131,24 +133,29 @@ def sieve_attention_forward(
         raise UnsupportedAttentionError(f"{n_q_heads} query heads cannot be grouped over {n_kv} kv-heads")
     group = n_q_heads // n_kv
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    record = view.recorder is not None
-    outputs, received, received_window = [], [], []
+    accumulate = view.recorder is not None and view.recorder.accumulate
+    outputs, received = [], []
     for h in range(n_kv):
         q_h = query[0, h * group : (h + 1) * group]
         k_h, v_h, pos_h = view.keys[h][0], view.values[h][0], view.positions[h]
-        if record:
-            out, rec, rec_w = _observed_head_attention(
-                q_h, k_h, v_h, pos_h, view.query_positions, scale, window=view.recorder.window
-            )
+        if accumulate:
+            out, rec = _observed_head_attention(q_h, k_h, v_h, pos_h, view.query_positions, scale)
             received.append(rec)
-            received_window.append(rec_w)
         else:
             out = _head_attention(q_h, k_h, v_h, pos_h, view.query_positions, scale)
         outputs.append(out)
-    if record:
+    if view.recorder is not None:
+        window = view.recorder.window
+        output_projection = getattr(module, "o_proj", None)
         view.recorder(
             view.layer_idx,
-            {"received": torch.cat(received), "received_window": torch.cat(received_window)},
+            LayerStatistics(
+                received=torch.cat(received) if accumulate else None,
+                window_queries=query[0, :, -window:].float().clone(),
+                window_positions=view.query_positions[-window:].clone(),
+                scaling=scale,
+                output_weight=getattr(output_projection, "weight", None),
+            ),
         )
     attn_output = torch.cat(outputs, dim=0).unsqueeze(0)  # [1, heads, q, d]
     return attn_output.transpose(1, 2).contiguous(), None

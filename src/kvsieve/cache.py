@@ -20,12 +20,33 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
+@dataclass
+class LayerStatistics:
+    """What sieve attention reports for one layer during an observed prefill.
+
+    Attributes:
+        received: `[q_heads, n]` attention each key received, summed over all queries
+            (None unless the recorder asked for it: it costs a materialised softmax).
+        window_queries: `[q_heads, w, head_dim]` the last `w` queries after RoPE, float32.
+        window_positions: `[w]` their positions.
+        scaling: the softmax scale of the layer.
+        output_weight: the layer's output projection `[hidden, q_heads * head_dim]`, if it has one.
+    """
+
+    received: torch.Tensor | None
+    window_queries: torch.Tensor
+    window_positions: torch.Tensor
+    scaling: float
+    output_weight: torch.Tensor | None
+
+
 class Recorder(Protocol):
-    """Receives the attention statistics of an observed prefill, layer by layer."""
+    """Receives the statistics of an observed prefill, layer by layer."""
 
     window: int
+    accumulate: bool
 
-    def __call__(self, layer_idx: int, stats: dict[str, torch.Tensor]) -> None: ...
+    def __call__(self, layer_idx: int, stats: LayerStatistics) -> None: ...
 
 
 @dataclass
@@ -94,14 +115,19 @@ class SievedLayer(CacheLayerMixin):
         self.seen_tokens = max(self.seen_tokens, int(positions[-1]) + 1)
 
     def keep(self, keep_indices: Sequence[torch.Tensor]) -> SievedLayer:
-        """A new layer holding only the stored entries at `keep_indices` (one index tensor per kv-head)."""
+        """A new layer holding only the stored entries at `keep_indices` (one index tensor per kv-head).
+
+        Indices are sorted first, so stored positions stay in increasing order (sieve attention relies on it).
+        """
         if len(keep_indices) != len(self.head_keys):
             raise ValueError(f"need one index tensor per kv-head ({len(self.head_keys)}), got {len(keep_indices)}")
         out = SievedLayer()
         out.dtype, out.device, out.is_initialized = self.dtype, self.device, True
         out.seen_tokens = self.seen_tokens
         for h, idx in enumerate(keep_indices):
-            idx = idx.to(device=self.device, dtype=torch.long)
+            idx = idx.to(device=self.device, dtype=torch.long).sort().values
+            if idx.numel() > 1 and bool((idx[1:] == idx[:-1]).any()):
+                raise ValueError(f"keep indices for kv-head {h} contain duplicates")
             if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.head_keys[h].shape[1]):
                 raise IndexError(f"keep index out of range for kv-head {h} ({self.head_keys[h].shape[1]} stored)")
             out.head_keys.append(self.head_keys[h].index_select(1, idx))

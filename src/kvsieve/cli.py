@@ -14,13 +14,14 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from .allocators import ALLOCATORS
 from .apply import compress
 from .data import essay_texts, sample_documents
 from .eval import run_ppl
 from .eval.perplexity import Progress as ProgressCallback
 from .models import load_model
 from .observe import observe_prefill
-from .policy import PolicyError, check_rate, make_policy
+from .policy import PolicyError, check_rate, make_policy, split_policies
 from .report import plot_ppl, ppl_markdown, ppl_table
 from .scorers import SCORERS
 
@@ -82,7 +83,9 @@ def ppl_experiment(
 
 @app.command()
 def ppl(
-    policies: Annotated[str, typer.Option(help="comma-separated policy specs")] = "importance,random",
+    policies: Annotated[
+        str, typer.Option(help="comma-separated specs scorer[+allocator][:k=v,...], e.g. snapkv+adaptive:window=16")
+    ] = "importance,random",
     rates: Annotated[str, typer.Option(help="comma-separated eviction rates in [0, 1)")] = "0.5,0.7,0.8,0.9",
     docs: Annotated[int, typer.Option(min=1, help="essay documents")] = 8,
     prefix: Annotated[int, typer.Option(min=64, help="prefilled tokens per document")] = 1024,
@@ -93,7 +96,7 @@ def ppl(
     plot: Annotated[Path | None, typer.Option(help="PNG path (default: next to --json)")] = None,
 ) -> None:
     """Perplexity change against the full cache per policy and rate (DESIGN §4 protocol)."""
-    report = ppl_experiment(model, _split(policies, str), _split(rates, float), docs, prefix, continuation, seed)
+    report = ppl_experiment(model, split_policies(policies), _split(rates, float), docs, prefix, continuation, seed)
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2))
@@ -105,12 +108,15 @@ def ppl(
 
 @app.command()
 def policies() -> None:
-    """List the known policies and their parameters."""
-    for name, cls in SCORERS.items():
-        params = ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(cls))
-        doc = (cls.__doc__ or "").strip().splitlines()[0]
-        console.print(f"[bold]{name}[/bold]({params or ''})  {doc}")
+    """List the scorers, the budget allocators and their parameters."""
+    for title, registry in (("scorers", SCORERS), ("allocators (scorer+allocator)", ALLOCATORS)):
+        console.rule(title)
+        for name, cls in registry.items():
+            params = ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(cls))
+            doc = (cls.__doc__ or "").strip().splitlines()[0]
+            console.print(f"[bold]{name}[/bold]({params})  {doc}")
     console.print("every policy also takes n_sink=1, sliding_window=32 (protected entries)")
+    console.print("spec: scorer[+allocator][:key=value,...], e.g. snapkv+adaptive:window=16,safeguard=0.3")
 
 
 def _generate(model: Any, ids: torch.Tensor, cache: Any, new_tokens: int) -> torch.Tensor:

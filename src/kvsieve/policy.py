@@ -1,14 +1,14 @@
-"""Policy = scorer + allocator + protection; the registry and the "name+allocator:key=value" parser."""
+"""Policy = scorer + allocator + protection; the registry and the "scorer+allocator:key=value" parser."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from .allocators import ALLOCATORS, keep_indices
+from .allocators import ALLOCATORS, Allocator, Uniform, keep_indices
 from .observe import DEFAULT_WINDOW, Observation
 from .scorers import SCORERS, Scorer
 
@@ -41,32 +41,52 @@ def protected_mask(
     return mask
 
 
+def _format(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _non_defaults(obj: object) -> list[str]:
+    return [
+        f"{f.name}={_format(getattr(obj, f.name))}"
+        for f in dataclasses.fields(obj)
+        if f.init and getattr(obj, f.name) != f.default
+    ]
+
+
 @dataclass(frozen=True)
 class Policy:
     """Which entries to keep: a scorer, an allocator and the protection rule.
 
-    `rate` counts the evicted fraction of the evictable (unprotected) entries.
+    `rate` counts the evicted fraction of the evictable (unprotected) entries; every
+    allocator keeps the same total, so policies at one rate hold the same bytes.
     """
 
     scorer: Scorer
-    allocator: str = "uniform"
+    allocator: Allocator = field(default_factory=Uniform)
     n_sink: int = DEFAULT_N_SINK
     sliding_window: int = DEFAULT_SLIDING_WINDOW
 
     def __post_init__(self) -> None:
-        if self.allocator not in ALLOCATORS:
-            raise PolicyError(f"unknown allocator {self.allocator!r}; known: {', '.join(sorted(ALLOCATORS))}")
         if self.n_sink < 0 or self.sliding_window < 0:
             raise PolicyError("n_sink and sliding_window must be >= 0")
 
     @property
     def name(self) -> str:
-        return self.scorer.name if self.allocator == "uniform" else f"{self.scorer.name}+{self.allocator}"
+        """The canonical spec: `scorer[+allocator][:parameters that differ from the defaults]`."""
+        head = self.scorer.name if self.allocator.name == "uniform" else f"{self.scorer.name}+{self.allocator.name}"
+        params = [*_non_defaults(self.scorer), *_non_defaults(self.allocator)]
+        params += [f"{k}={getattr(self, k)}" for k, default in _POLICY_DEFAULTS.items() if getattr(self, k) != default]
+        return f"{head}:{','.join(params)}" if params else head
 
     @property
     def observation_window(self) -> int:
-        """The last-query window the prefill must record for this policy's scorer."""
-        return getattr(self.scorer, "window", DEFAULT_WINDOW)
+        """How many of the last prefill queries the observation must record for this policy."""
+        return max(DEFAULT_WINDOW, getattr(self.scorer, "window", DEFAULT_WINDOW))
+
+    @property
+    def needs_accumulated(self) -> bool:
+        """Whether the prefill must sum the attention each key receives from all queries."""
+        return self.scorer.needs_accumulated
 
     def keep_indices(
         self,
@@ -94,11 +114,11 @@ class Policy:
                     f"{self.scorer.name} returned scores of shape {tuple(s.shape)} for layer {o.layer_idx}, "
                     f"expected {(o.num_kv_heads, o.length)}"
                 )
-        counts = ALLOCATORS[self.allocator](scores, protected, rate)
+        counts = self.allocator.counts(scores, protected, rate)
         return [keep_indices(s, p, c) for s, p, c in zip(scores, protected, counts, strict=True)]
 
 
-_POLICY_FIELDS = ("n_sink", "sliding_window")
+_POLICY_DEFAULTS = {"n_sink": DEFAULT_N_SINK, "sliding_window": DEFAULT_SLIDING_WINDOW}
 
 
 def _convert(value: str, like: object, key: str) -> object:
@@ -112,42 +132,82 @@ def _convert(value: str, like: object, key: str) -> object:
         raise PolicyError(f"parameter {key}={value!r} is not a valid {type(like).__name__}") from None
 
 
-def make_policy(spec: str | Policy, **params: object) -> Policy:
+def _defaults(cls: type) -> dict[str, object]:
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.init}
+
+
+def make_policy(spec: str | Policy, budget: str | None = None, **params: object) -> Policy:
     """Build a policy from "scorer[+allocator][:key=value,...]" (or return a given `Policy`).
 
-    Keyword `params` override the spec's; keys are the scorer's fields plus
-    `n_sink` and `sliding_window`.
+    Args:
+        spec: e.g. ``"snapkv"``, ``"snapkv+adaptive:window=32"``, ``"importance+global:calibration=zscore"``.
+        budget: the allocator (``uniform``, ``pyramid``, ``adaptive``, ``global``), if not in `spec`.
+        params: override the spec's; keys are the scorer's and the allocator's fields plus
+            `n_sink` and `sliding_window`.
     """
     if isinstance(spec, Policy):
-        if params:
-            raise PolicyError("parameters cannot be given together with a Policy object")
+        if params or budget is not None:
+            raise PolicyError("parameters or a budget cannot be given together with a Policy object")
         return spec
     if not isinstance(spec, str) or not spec.strip():
-        raise PolicyError(f"a policy is a name such as 'importance', got {spec!r}; known: {', '.join(SCORERS)}")
+        raise PolicyError(f"a policy is a name such as 'snapkv', got {spec!r}; known: {', '.join(SCORERS)}")
     head, _, param_text = spec.strip().partition(":")
-    scorer_name, _, allocator = head.partition("+")
+    scorer_name, _, allocator_name = (part.strip() for part in head.partition("+"))
     if scorer_name not in SCORERS:
         raise PolicyError(f"unknown policy {scorer_name!r}; known: {', '.join(SCORERS)}")
-    scorer_cls = SCORERS[scorer_name]
-    defaults = {f.name: f.default for f in dataclasses.fields(scorer_cls)}
-    defaults |= {"n_sink": DEFAULT_N_SINK, "sliding_window": DEFAULT_SLIDING_WINDOW}
+    if budget is not None and allocator_name and budget != allocator_name:
+        raise PolicyError(f"policy {spec!r} names allocator {allocator_name!r} but budget={budget!r}")
+    allocator_name = allocator_name or budget or "uniform"
+    if allocator_name not in ALLOCATORS:
+        raise PolicyError(f"unknown budget allocator {allocator_name!r}; known: {', '.join(ALLOCATORS)}")
+    parts = {
+        "scorer": _defaults(SCORERS[scorer_name]),
+        "allocator": _defaults(ALLOCATORS[allocator_name]),
+        "policy": dict(_POLICY_DEFAULTS),
+    }
+    owner = {key: part for part, defaults in parts.items() for key in defaults}
+    valid = ", ".join(owner)
+    label = scorer_name if allocator_name == "uniform" else f"{scorer_name}+{allocator_name}"
     given: dict[str, object] = {}
     for item in filter(None, (p.strip() for p in param_text.split(","))):
-        key, eq, value = item.partition("=")
+        key, eq, value = (x.strip() for x in item.partition("="))
         if not eq:
             raise PolicyError(f"policy parameter {item!r} is not key=value")
-        if key.strip() not in defaults:
-            raise PolicyError(
-                f"unknown parameter {key.strip()!r} for {scorer_name}; valid: {', '.join(defaults) or 'none'}"
-            )
-        given[key.strip()] = _convert(value.strip(), defaults[key.strip()], key.strip())
+        if key not in owner:
+            raise PolicyError(f"unknown parameter {key!r} for {label}; valid: {valid}")
+        given[key] = _convert(value, parts[owner[key]][key], key)
     for key, value in params.items():
-        if key not in defaults:
-            raise PolicyError(f"unknown parameter {key!r} for {scorer_name}; valid: {', '.join(defaults)}")
+        if key not in owner:
+            raise PolicyError(f"unknown parameter {key!r} for {label}; valid: {valid}")
         given[key] = value
-    policy_kwargs = {k: given.pop(k) for k in _POLICY_FIELDS if k in given}
-    return Policy(scorer=scorer_cls(**given), allocator=allocator or "uniform", **policy_kwargs)
+    kwargs = {part: {k: v for k, v in given.items() if owner[k] == part} for part in parts}
+    try:
+        scorer = SCORERS[scorer_name](**kwargs["scorer"])
+        allocator = ALLOCATORS[allocator_name](**kwargs["allocator"])
+    except (TypeError, ValueError) as err:
+        raise PolicyError(f"{spec}: {err}") from None
+    return Policy(scorer=scorer, allocator=allocator, **kwargs["policy"])
+
+
+def split_policies(text: str) -> list[str]:
+    """Split a comma-separated list of policy specs; `key=value` items belong to the spec before them.
+
+    ``"snapkv+adaptive:window=16,kernel=7,random"`` -> ``["snapkv+adaptive:window=16,kernel=7", "random"]``.
+    """
+    specs: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if "=" in part and ":" not in part and specs:
+            specs[-1] += f",{part}"
+        else:
+            specs.append(part)
+    return specs
 
 
 def known_policies() -> list[str]:
     return list(SCORERS)
+
+
+def known_allocators() -> list[str]:
+    return list(ALLOCATORS)

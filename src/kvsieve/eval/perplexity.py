@@ -112,10 +112,10 @@ def run_ppl(
     """Run the perplexity protocol; `reprefill=True` re-runs the prefill for every configuration (for timing)."""
     resolved = [make_policy(p) for p in policies]
     rates = [check_rate(r) for r in rates]
-    windows = {p.observation_window for p in resolved}
-    if len(windows) != 1:
-        raise ValueError(f"policies of one run must share one observation window, got {sorted(windows)}")
-    window = windows.pop()
+    observe = {
+        "window": max(p.observation_window for p in resolved),
+        "accumulate": any(p.needs_accumulated for p in resolved),
+    }
     for name, ids in documents:
         if ids.shape[-1] < prefix + continuation + 1:
             raise ValueError(f"document {name!r} has {ids.shape[-1]} tokens, needs {prefix + continuation + 1}")
@@ -144,7 +144,7 @@ def run_ppl(
     for doc_index, (_, ids) in enumerate(documents):
         context, feed = ids[:, :prefix], ids[:, prefix : prefix + continuation + 1]
         with timed("prefill"):
-            prefill = observe_prefill(model, context, window=window)
+            prefill = observe_prefill(model, context, **observe)
         with timed("continuation"):
             result.nll_full.append(continuation_nll(model, prefill.cache.copy(), feed))
             result.kv_bytes_full.append(prefill.cache.nbytes())
@@ -155,7 +155,7 @@ def run_ppl(
             for rate in rates:
                 if reprefill:
                     with timed("prefill"):
-                        prefill = observe_prefill(model, context, window=window)
+                        prefill = observe_prefill(model, context, **observe)
                 with timed("evict"):
                     cache = prefill.cache.keep(doc_policy.keep_indices(prefill.observations, rate))
                 with timed("continuation"):

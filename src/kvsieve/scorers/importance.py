@@ -20,10 +20,11 @@ class ImportanceScorer:
     """
 
     name: ClassVar[str] = "importance"
+    needs_accumulated: ClassVar[bool] = True
     normalize: bool = True
 
     def score(self, obs: Observation) -> torch.Tensor:
-        mass = obs.per_kv_head(obs.received)
+        mass = obs.per_kv_head(obs.require_received(self.name))
         if self.normalize:
             mass = mass / obs.queries_seeing.clamp(min=1).to(mass.dtype)
         return mass

@@ -15,6 +15,7 @@ class RandomScorer:
     """Seeded uniform scores, drawn independently for every (layer, kv-head, entry)."""
 
     name: ClassVar[str] = "random"
+    needs_accumulated: ClassVar[bool] = False
     seed: int = 0
 
     def score(self, obs: Observation) -> torch.Tensor:

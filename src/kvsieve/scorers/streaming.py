@@ -15,6 +15,7 @@ class StreamingScorer:
     """Later position = higher score; with the sinks protected this keeps sinks + the most recent entries."""
 
     name: ClassVar[str] = "streaming"
+    needs_accumulated: ClassVar[bool] = False
 
     def score(self, obs: Observation) -> torch.Tensor:
         return obs.positions.to(torch.float32).expand(obs.num_kv_heads, -1)

@@ -1,0 +1,42 @@
+"""CriticalKV: attention times the projected value norm, from an output-perturbation view (arXiv 2502.03805)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..observe import DEFAULT_WINDOW, Observation
+
+
+def projected_value_norms(values: torch.Tensor, output_weight: torch.Tensor, group: int) -> torch.Tensor:
+    """`||W_o^h v||_1` for every query head h and entry: `[q_heads, n]`.
+
+    Args:
+        values: `[kv_heads, n, d]`; output_weight: `[hidden, q_heads * d]`.
+    """
+    kv_heads, _, dim = values.shape
+    per_head = output_weight.float().unflatten(1, (kv_heads * group, dim))  # [hidden, q_heads, d]
+    projected = torch.einsum("gnd,hgd->gnh", values.float().repeat_interleave(group, dim=0), per_head)
+    return projected.abs().sum(dim=-1)
+
+
+@dataclass(frozen=True)
+class CriticalScorer:
+    """Mean attention of the last `window` queries times `||W_o^h v||_1`, summed over the group.
+
+    The entry's contribution to the layer output goes through the head's slice of the output
+    projection; this bounds the output perturbation of evicting it. (The paper's two-stage
+    selection, attention first then this score, is folded into one ranking.)
+    """
+
+    name: ClassVar[str] = "critical"
+    needs_accumulated: ClassVar[bool] = False
+    window: int = DEFAULT_WINDOW
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        if obs.output_weight is None:
+            raise ValueError("critical needs the attention output projection (o_proj), which this model lacks")
+        attention = obs.window_attention(self.window).mean(dim=1)  # [q_heads, n]
+        return obs.per_kv_head(attention * projected_value_norms(obs.values, obs.output_weight, obs.group))

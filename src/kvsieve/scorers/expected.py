@@ -1,0 +1,78 @@
+"""Expected Attention: the attention future queries are expected to pay, times the value norm (arXiv 2510.00636)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..observe import DEFAULT_WINDOW, Observation
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The RoPE partner of each coordinate: `(x1, x2) -> (-x2, x1)` over the two halves of the last axis."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Invert `x * cos + rotate_half(x) * sin` (RoPE, possibly scaled) for `x [..., w, d]`, `cos, sin [w, d]`."""
+    return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)
+
+
+def mean_rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`[d, d]` average of the RoPE matrices `diag(cos) + diag(sin) P` over the given positions (`cos, sin [f, d]`)."""
+    dim = cos.shape[-1]
+    half = torch.eye(dim // 2, dtype=cos.dtype, device=cos.device)
+    partner = torch.zeros(dim, dim, dtype=cos.dtype, device=cos.device)
+    partner[: dim // 2, dim // 2 :] = -half
+    partner[dim // 2 :, : dim // 2] = half
+    return torch.diag(cos.mean(0)) + torch.diag(sin.mean(0)) @ partner
+
+
+def expected_logits(keys: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """`log E[exp(s q.k)]` for `q ~ N(mean, cov)`: `s mean.k + s^2 k^T cov k / 2`, shape `[heads, n]`.
+
+    Args:
+        keys: `[heads, n, d]`; mean: `[heads, d]`; cov: `[heads, d, d]` or None (mean only).
+    """
+    logits = scaling * (keys @ mean[..., None])[..., 0]
+    if cov is not None:
+        logits = logits + 0.5 * scaling**2 * torch.einsum("hnd,hde,hne->hn", keys, cov, keys)
+    return logits
+
+
+@dataclass(frozen=True)
+class ExpectedScorer:
+    """Expected attention of the next `future` queries, modelled as a Gaussian of the last `window` queries.
+
+    The recorded queries are un-rotated (pre-RoPE), their mean and covariance are rotated by
+    the average RoPE matrix of the next `future` positions, and each key gets the softmax of
+    `log E[exp(s q.k)]` over the context, averaged over the query group, times the L2 norm of
+    its value (`vnorm`).
+    """
+
+    name: ClassVar[str] = "expected"
+    needs_accumulated: ClassVar[bool] = False
+    window: int = DEFAULT_WINDOW
+    future: int = 512
+    covariance: bool = True
+    vnorm: bool = True
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        if obs.rotary is None:
+            raise ValueError("expected needs the model's rotary embedding (rotary_emb), which this model lacks")
+        queries, positions = obs.queries(self.window)
+        pre_rope = unrotate(queries, *obs.rotary(positions))
+        mean = pre_rope.mean(dim=1)
+        future = torch.arange(1, self.future + 1, device=positions.device) + positions[-1]
+        rotation = mean_rotation(*obs.rotary(future))
+        cov = None
+        if self.covariance:
+            centered = pre_rope - mean[:, None]
+            cov = rotation @ (centered.transpose(1, 2) @ centered / pre_rope.shape[1]) @ rotation.T
+        keys = obs.keys.float().repeat_interleave(obs.group, dim=0)
+        probs = torch.softmax(expected_logits(keys, mean @ rotation.T, cov, obs.scaling), dim=-1)
+        scores = obs.per_kv_head(probs) / obs.group
+        return scores * obs.values.float().norm(dim=-1) if self.vnorm else scores

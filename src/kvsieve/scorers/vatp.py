@@ -1,0 +1,26 @@
+"""VATP: value-aware token pruning, attention times value norm (arXiv 2406.12335)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..observe import Observation
+
+
+@dataclass(frozen=True)
+class VATPScorer:
+    """Mean attention per seeing query (as `importance`) times the L1 norm of the value.
+
+    An entry matters through what it adds to the output: attention mass alone ignores values
+    with a tiny norm (often the attention sinks' values).
+    """
+
+    name: ClassVar[str] = "vatp"
+    needs_accumulated: ClassVar[bool] = True
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        mass = obs.per_kv_head(obs.require_received(self.name)) / obs.queries_seeing.clamp(min=1)
+        return mass * obs.values.float().abs().sum(dim=-1)
