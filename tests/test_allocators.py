@@ -174,3 +174,12 @@ def test_ragged_cache_really_holds_only_the_kept_entries(spec):
     assert cache.nbytes() == kept_entries * entry_bytes
     assert abs(_allocated_bytes(cache) - kept_entries * entry_bytes) <= 0.02 * kept_entries * entry_bytes
     assert _allocated_bytes(cache) < 0.35 * _allocated_bytes(full)
+    assert cache.allocated_nbytes() == _allocated_bytes(cache)
+
+    # decoding appends in place; storage grows by at most 2% (plus one entry of rounding per head)
+    with torch.no_grad():
+        for step in range(30):
+            model(ids[:, 399 - step : 400 - step], past_key_values=cache, cache_position=torch.tensor([400 + step]))
+    kept_entries = sum(map(sum, cache.stored_lengths()))
+    assert cache.nbytes() == kept_entries * entry_bytes
+    assert _allocated_bytes(cache) <= 1.02 * cache.nbytes() + 9 * entry_bytes

@@ -12,12 +12,16 @@ per-head tensors, not one dense tensor.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+#: Factor by which a head's storage grows when a decode step finds it full.
+GROWTH = 1.02
 
 
 @dataclass
@@ -70,6 +74,15 @@ class LayerView:
     recorder: Recorder | None = None
 
 
+def _resized(buffer: torch.Tensor, length: int, capacity: int, dim: int) -> torch.Tensor:
+    """A new buffer of `capacity` along `dim` holding the first `length` entries of `buffer`."""
+    shape = list(buffer.shape)
+    shape[dim] = capacity
+    out = buffer.new_empty(shape)
+    out.narrow(dim, 0, length).copy_(buffer.narrow(dim, 0, length))
+    return out
+
+
 class SievedLayer(CacheLayerMixin):
     """One layer of a `SievedCache`: a list of (keys, values, positions) per kv-head."""
 
@@ -81,16 +94,31 @@ class SievedLayer(CacheLayerMixin):
         self.head_keys: list[torch.Tensor] = []
         self.head_values: list[torch.Tensor] = []
         self.head_positions: list[torch.Tensor] = []
+        # per kv-head storage the views above are prefixes of: (keys, values, positions)
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.seen_tokens = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, n_heads, _, head_dim = key_states.shape
+        batch, n_heads = key_states.shape[:2]
         self.dtype, self.device = key_states.dtype, key_states.device
-        empty = key_states.new_empty(batch, 0, head_dim)
-        self.head_keys = [empty for _ in range(n_heads)]
-        self.head_values = [value_states.new_empty(batch, 0, value_states.shape[-1]) for _ in range(n_heads)]
-        self.head_positions = [torch.empty(0, dtype=torch.long, device=self.device) for _ in range(n_heads)]
+        self._set_heads(
+            [
+                (
+                    key_states.new_empty(batch, 0, key_states.shape[-1]),
+                    value_states.new_empty(batch, 0, value_states.shape[-1]),
+                    torch.empty(0, dtype=torch.long, device=self.device),
+                )
+                for _ in range(n_heads)
+            ]
+        )
         self.is_initialized = True
+
+    def _set_heads(self, buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """Use exactly-sized tensors as the storage of every head."""
+        self._buffers = buffers
+        self.head_keys = [k for k, _, _ in buffers]
+        self.head_values = [v for _, v, _ in buffers]
+        self.head_positions = [p for _, _, p in buffers]
 
     def update(
         self,
@@ -101,17 +129,34 @@ class SievedLayer(CacheLayerMixin):
         raise NotImplementedError("SievedLayer is updated through SievedCache.update")
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append `[batch, kv_heads, q, head_dim]` states at the given original positions."""
+        """Append `[batch, kv_heads, q, head_dim]` states at the given original positions.
+
+        Each head writes into its own storage, which grows by `GROWTH` when full, so decoding
+        does not copy the whole cache every step and the slack stays within 2%.
+        """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[1] != len(self.head_keys):
             raise ValueError(
                 f"expected {len(self.head_keys)} kv-heads, got key states of shape {tuple(key_states.shape)}"
             )
-        for h in range(len(self.head_keys)):
-            self.head_keys[h] = torch.cat([self.head_keys[h], key_states[:, h]], dim=1)
-            self.head_values[h] = torch.cat([self.head_values[h], value_states[:, h]], dim=1)
-            self.head_positions[h] = torch.cat([self.head_positions[h], positions])
+        n_new = key_states.shape[2]
+        for h, (keys, values, stored_positions) in enumerate(self._buffers):
+            n = self.head_keys[h].shape[1]
+            if n + n_new > keys.shape[1]:
+                capacity = n + n_new if n == 0 else max(n + n_new, math.ceil((n + n_new) * GROWTH))
+                keys, values, stored_positions = (
+                    _resized(keys, n, capacity, dim=1),
+                    _resized(values, n, capacity, dim=1),
+                    _resized(stored_positions, n, capacity, dim=0),
+                )
+                self._buffers[h] = (keys, values, stored_positions)
+            keys[:, n : n + n_new] = key_states[:, h]
+            values[:, n : n + n_new] = value_states[:, h]
+            stored_positions[n : n + n_new] = positions
+            self.head_keys[h] = keys[:, : n + n_new]
+            self.head_values[h] = values[:, : n + n_new]
+            self.head_positions[h] = stored_positions[: n + n_new]
         self.seen_tokens = max(self.seen_tokens, int(positions[-1]) + 1)
 
     def keep(self, keep_indices: Sequence[torch.Tensor]) -> SievedLayer:
@@ -124,22 +169,33 @@ class SievedLayer(CacheLayerMixin):
         out = SievedLayer()
         out.dtype, out.device, out.is_initialized = self.dtype, self.device, True
         out.seen_tokens = self.seen_tokens
+        buffers = []
         for h, idx in enumerate(keep_indices):
             idx = idx.to(device=self.device, dtype=torch.long).sort().values
             if idx.numel() > 1 and bool((idx[1:] == idx[:-1]).any()):
                 raise ValueError(f"keep indices for kv-head {h} contain duplicates")
             if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.head_keys[h].shape[1]):
                 raise IndexError(f"keep index out of range for kv-head {h} ({self.head_keys[h].shape[1]} stored)")
-            out.head_keys.append(self.head_keys[h].index_select(1, idx))
-            out.head_values.append(self.head_values[h].index_select(1, idx))
-            out.head_positions.append(self.head_positions[h].index_select(0, idx))
+            buffers.append(
+                (
+                    self.head_keys[h].index_select(1, idx),
+                    self.head_values[h].index_select(1, idx),
+                    self.head_positions[h].index_select(0, idx),
+                )
+            )
+        out._set_heads(buffers)
         return out
 
     def stored_lengths(self) -> list[int]:
         return [int(k.shape[1]) for k in self.head_keys]
 
     def nbytes(self) -> int:
+        """Bytes of the stored keys and values."""
         return sum(t.numel() * t.element_size() for t in (*self.head_keys, *self.head_values))
+
+    def allocated_nbytes(self) -> int:
+        """Bytes allocated for keys and values, growth slack included (at most `GROWTH - 1` over `nbytes`)."""
+        return sum(t.untyped_storage().nbytes() for k, v, _ in self._buffers for t in (k, v))
 
     def get_seq_length(self) -> int:
         return self.seen_tokens
@@ -242,6 +298,10 @@ class SievedCache(Cache):
     def nbytes(self) -> int:
         """Bytes held by the stored keys and values (positions bookkeeping not included)."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def allocated_nbytes(self) -> int:
+        """Bytes allocated for keys and values: `nbytes()` plus at most 2% growth slack after decoding."""
+        return sum(layer.allocated_nbytes() for layer in self.layers)
 
     def keep(self, keep_indices: Sequence[Sequence[torch.Tensor]]) -> SievedCache:
         """A new cache with only the given stored entries: `keep_indices[layer][head]` index the stored entries.

@@ -44,3 +44,12 @@ def sample_documents(
         )
     random.Random(seed).shuffle(long_enough)
     return long_enough[:n_docs]
+
+
+def long_context(tokenizer: PreTrainedTokenizerBase, n_tokens: int) -> torch.Tensor:
+    """`[1, n_tokens]` ids of the essays concatenated in name order (for contexts longer than one essay)."""
+    text = "\n\n".join(essay_texts().values())
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    if ids.shape[1] < n_tokens:
+        raise ValueError(f"the essays hold {ids.shape[1]} tokens, fewer than the {n_tokens} asked for")
+    return ids[:, :n_tokens]

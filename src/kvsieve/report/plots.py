@@ -11,9 +11,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 
-def plot_ppl(report: dict[str, Any], path: str | Path) -> Path:
+def plot_ppl(report: dict[str, Any], path: str | Path, title: str | None = None) -> Path:
     """delta% vs rate, one line per policy, with the bootstrap 95% band."""
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    many = len({r["policy"] for r in report["rows"]}) > 6
+    fig, ax = plt.subplots(figsize=(9, 5) if many else (6, 4), dpi=120)
     for policy in dict.fromkeys(r["policy"] for r in report["rows"]):
         rows = sorted((r for r in report["rows"] if r["policy"] == policy), key=lambda r: r["rate"])
         rates = [100 * r["rate"] for r in rows]
@@ -22,8 +23,11 @@ def plot_ppl(report: dict[str, Any], path: str | Path) -> Path:
     ax.axhline(0, color="grey", linewidth=0.8)
     ax.set_xlabel("eviction rate (% of evictable entries)")
     ax.set_ylabel("perplexity change vs full cache (%)")
-    ax.set_title(f"{report['docs']} docs, prefix {report['prefix']}, continuation {report['continuation']}")
-    ax.legend()
+    ax.set_title(title or f"{report['docs']} docs, prefix {report['prefix']}, continuation {report['continuation']}")
+    if many:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend()
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""The perplexity table: one row per rate, delta% per policy, and each policy's advantage over random."""
+"""The perplexity table: delta% per policy and rate, and each policy's advantage over random."""
 
 from __future__ import annotations
 
@@ -37,18 +37,47 @@ def _caption(report: dict[str, Any]) -> str:
     )
 
 
-def ppl_table(report: dict[str, Any]) -> Table:
-    """A rich table of `PplResult.to_json()`."""
-    header, body = _cells(report)
+def _policy_cells(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """One row per policy, one column per rate, and the mean advantage over random (for many policies)."""
+    rows = report["rows"]
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    rates = list(dict.fromkeys(r["rate"] for r in rows))
+    by_key = {(r["policy"], r["rate"]): r for r in rows}
+    header = ["policy", *(f"{rate:.0%} delta% [95% CI]" for rate in rates), "KV MiB at last rate"]
+    if BASELINE in policies:
+        header.append("mean advantage (pp)")
+    body = []
+    for p in policies:
+        line = [p]
+        for rate in rates:
+            r = by_key[p, rate]
+            line.append(f"{r['delta_pct']:+.2f}% [{r['ci95'][0]:+.1f}, {r['ci95'][1]:+.1f}]")
+        line.append(f"{by_key[p, rates[-1]]['kv_bytes'] / 2**20:.1f}")
+        if BASELINE in policies:
+            gaps = [by_key[BASELINE, rate]["delta_pct"] - by_key[p, rate]["delta_pct"] for rate in rates]
+            line.append(f"{sum(gaps) / len(gaps):+.2f}")
+        body.append(line)
+    return header, body
+
+
+def _layout(report: dict[str, Any], by_policy: bool | None) -> tuple[list[str], list[list[str]]]:
+    if by_policy is None:
+        by_policy = len({r["policy"] for r in report["rows"]}) > 3
+    return _policy_cells(report) if by_policy else _cells(report)
+
+
+def ppl_table(report: dict[str, Any], by_policy: bool | None = None) -> Table:
+    """A rich table of `PplResult.to_json()`: a row per rate, or a row per policy when there are many."""
+    header, body = _layout(report, by_policy)
     table = Table(*header, title="Perplexity change vs full cache", caption=_caption(report))
     for line in body:
         table.add_row(*line)
     return table
 
 
-def ppl_markdown(report: dict[str, Any]) -> str:
+def ppl_markdown(report: dict[str, Any], by_policy: bool | None = None) -> str:
     """The same table in Markdown."""
-    header, body = _cells(report)
+    header, body = _layout(report, by_policy)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(line) + " |" for line in body]
     return "\n".join(lines) + f"\n\n{_caption(report)}\n"

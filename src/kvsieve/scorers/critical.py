@@ -16,11 +16,14 @@ def projected_value_norms(values: torch.Tensor, output_weight: torch.Tensor, gro
     Args:
         values: `[kv_heads, n, d]`; output_weight: `[hidden, q_heads * d]`.
     """
-    kv_heads, _, dim = values.shape
-    per_head = output_weight.float().unflatten(1, (kv_heads * group, dim))  # [hidden, q_heads, d]
-    projected = torch.einsum("gnd,hgd->gnh", values.float().repeat_interleave(group, dim=0), per_head)
-    return projected.abs().sum(dim=-1)
-
+    kv_heads, n, dim = values.shape
+    norms = []
+    for h in range(kv_heads):
+        # the group's slices of W_o, side by side: [d, group * hidden]
+        slices = output_weight[:, h * group * dim : (h + 1) * group * dim].float()
+        stacked = slices.unflatten(1, (group, dim)).permute(2, 1, 0).reshape(dim, -1)
+        norms.append((values[h].float() @ stacked).unflatten(1, (group, -1)).abs().sum(dim=-1).t())
+    return torch.cat(norms)
 
 @dataclass(frozen=True)
 class CriticalScorer:

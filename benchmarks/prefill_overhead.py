@@ -1,0 +1,109 @@
+"""Prefill time with sieve attention and statistics, per scorer, over the model's own SDPA prefill.
+
+A scorer's cost at prefill is the observed prefill it needs (fused SDPA plus the last
+queries for window scorers; a chunked, materialised softmax for scorers that read the
+attention accumulated over all queries) plus computing its scores and keep indices. Each
+repeat runs the SDPA prefill and both kinds of observed prefill back to back; scoring is
+timed on the observations of the last repeat. Medians over repeats.
+
+    python benchmarks/prefill_overhead.py [--lengths 2048,4096] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from transformers import DynamicCache
+
+from kvsieve import known_policies, load_model, make_policy, observe_prefill
+from kvsieve.data import long_context
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def timed(fn: object, *args: object, **kwargs: object) -> tuple[float, object]:
+    tick = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return time.perf_counter() - tick, out
+
+
+@torch.no_grad()
+def sdpa_prefill(model: torch.nn.Module, ids: torch.Tensor) -> None:
+    model.set_attn_implementation("sdpa")
+    model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default="2048,4096")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rate", type=float, default=0.8)
+    args = parser.parse_args()
+    console = Console()
+    model, tokenizer = load_model()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    ids = long_context(tokenizer, max(lengths))
+    policies = [make_policy(name) for name in known_policies()]
+    rows = []
+    for length in lengths:
+        context = ids[:, :length]
+        runs: dict[str, list[float]] = {"sdpa": [], "window": [], "accumulate": []}
+        observed = {}
+        for _ in range(args.repeats):
+            runs["sdpa"].append(timed(sdpa_prefill, model, context)[0])
+            for kind in ("window", "accumulate"):
+                seconds, observed[kind] = timed(observe_prefill, model, context, accumulate=kind == "accumulate")
+                runs[kind].append(seconds)
+        sdpa = statistics.median(runs["sdpa"])
+        for policy in policies:
+            kind = "accumulate" if policy.needs_accumulated else "window"
+            prefill = statistics.median(runs[kind])
+            scoring, _ = timed(policy.keep_indices, observed[kind].observations, args.rate)
+            rows.append(
+                {
+                    "context": length,
+                    "scorer": policy.name,
+                    "prefill": kind,
+                    "sdpa_s": sdpa,
+                    "prefill_s": prefill,
+                    "scoring_s": scoring,
+                    "ratio": (prefill + scoring) / sdpa,
+                }
+            )
+        console.print(f"context {length}: SDPA {sdpa:.2f} s")
+    table = Table(
+        "context",
+        "scorer",
+        "observed prefill",
+        "SDPA s",
+        "prefill s",
+        "scoring s",
+        "ratio",
+        title=f"prefill with statistics over SDPA prefill, medians of {args.repeats}, CPU float32",
+    )
+    for r in rows:
+        table.add_row(
+            str(r["context"]),
+            r["scorer"],
+            r["prefill"],
+            f"{r['sdpa_s']:.2f}",
+            f"{r['prefill_s']:.2f}",
+            f"{r['scoring_s']:.3f}",
+            f"{r['ratio']:.3f}",
+        )
+    console.print(table)
+    RESULTS.mkdir(exist_ok=True)
+    meta = {"model": "SmolLM2-135M-Instruct (float32)", "device": "cpu", "threads": torch.get_num_threads()}
+    (RESULTS / "prefill_overhead.json").write_text(json.dumps({**meta, "repeats": args.repeats, "rows": rows}, indent=2))
+    console.print(f"wrote {RESULTS / 'prefill_overhead.json'}")
+
+
+if __name__ == "__main__":
+    main()
