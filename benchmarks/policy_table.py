@@ -68,8 +68,8 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "policy_table.json").write_text(json.dumps(report, indent=2))
     (RESULTS / "policy_table.md").write_text(ppl_markdown(report, by_policy=True))
-    plot_ppl(subset(report, stage1.policies), RESULTS / "policy_table_scorers.png", title="every scorer, uniform budget")
-    allocated = [*best, *(p for p in stage2.policies)]
+    plot_ppl(subset(report, stage1.policies), RESULTS / "policy_table_scorers.png", title="every scorer, uniform")
+    allocated = [*best, *stage2.policies]
     plot_ppl(subset(report, allocated), RESULTS / "policy_table_allocators.png", title="best three x allocators")
     console.print(f"wrote {RESULTS}/policy_table.{{json,md}} and two plots")
 

@@ -101,7 +101,8 @@ def main() -> None:
     console.print(table)
     RESULTS.mkdir(exist_ok=True)
     meta = {"model": "SmolLM2-135M-Instruct (float32)", "device": "cpu", "threads": torch.get_num_threads()}
-    (RESULTS / "prefill_overhead.json").write_text(json.dumps({**meta, "repeats": args.repeats, "rows": rows}, indent=2))
+    payload = {**meta, "repeats": args.repeats, "rows": rows}
+    (RESULTS / "prefill_overhead.json").write_text(json.dumps(payload, indent=2))
     console.print(f"wrote {RESULTS / 'prefill_overhead.json'}")
 
 

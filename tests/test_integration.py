@@ -37,3 +37,8 @@ def test_default_model_full_cache_matches_sdpa_and_compressed_generate_runs(defa
     out = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 308)
     assert cache.get_seq_length() == 307
+
+    ragged = kvsieve.compress(model, ids[:, :250], "snapkv+adaptive", rate=0.8)
+    lengths = [n for layer in ragged.stored_lengths() for n in layer]
+    assert len(set(lengths)) > 1 and sum(lengths) == 30 * 3 * kept
+    assert ragged.allocated_nbytes() == ragged.nbytes() == sum(lengths) * 2 * 64 * 4

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typer.testing import CliRunner
 
+from kvsieve.allocators import ALLOCATORS
 from kvsieve.cli import app
 from kvsieve.report import plot_ppl, ppl_markdown
+from kvsieve.scorers import SCORERS
 
 REPORT = {
     "full_ppl": 10.0,
@@ -35,12 +37,20 @@ def test_plot_writes_png(tmp_path):
 def test_cli_lists_policies():
     result = CliRunner().invoke(app, ["policies"])
     assert result.exit_code == 0
-    for name in ("importance", "window", "random", "streaming", "knorm"):
+    for name in [*SCORERS, *ALLOCATORS]:
         assert name in result.output
+
+
+def test_by_policy_table_lists_every_policy_with_its_mean_advantage():
+    text = ppl_markdown(REPORT, by_policy=True)
+    assert "| policy | 70% delta% [95% CI] | KV MiB at last rate | mean advantage (pp) |" in text
+    assert "| importance | +10.00% [+5.0, +15.0] | 0.0 | +20.00 |" in text
 
 
 def test_cli_rejects_unknown_policy_and_bad_rate_before_loading():
     result = CliRunner().invoke(app, ["ppl", "--policies", "importance,nope"])
     assert result.exit_code != 0 and "unknown policy 'nope'" in result.output
+    result = CliRunner().invoke(app, ["ppl", "--policies", "snapkv+adaptive:window=8,safeguard=2"])
+    assert result.exit_code != 0 and "safeguard must be in [0, 1]" in result.output
     result = CliRunner().invoke(app, ["ppl", "--rates", "0.5,1.2"])
     assert result.exit_code != 0 and "rate must be in [0, 1)" in result.output

@@ -140,7 +140,7 @@ def demo(
     full_ids = torch.cat([ids, question.input_ids], dim=-1)
 
     caches = {"full cache": observe_prefill(model, ids).cache}
-    caches |= {policy: compress(model, ids, policy, rate=0.8) for policy in ("importance", "random")}
+    caches |= {policy: compress(model, ids, policy, rate=0.8) for policy in ("importance", "snapkv+adaptive", "random")}
     sizes = {name: cache.nbytes() for name, cache in caches.items()}
     samples = {name: _generate(model, full_ids, cache, 24) for name, cache in caches.items()}
     lines = [
@@ -149,12 +149,12 @@ def demo(
     ]
     for name, tokens in samples.items():
         answer = tokenizer.decode(tokens, skip_special_tokens=True).replace("\n", " ")
-        console.print(f"{name:>11}: {sizes[name] / 2**20:6.2f} MiB KV after prefill | {answer}")
+        console.print(f"{name:>15}: {sizes[name] / 2**20:6.2f} MiB KV after prefill | {answer}")
         lines.append(f"- **{name}** ({sizes[name] / 2**20:.2f} MiB of KV after prefill): {answer}")
 
     report = ppl_experiment(
         None,
-        ["importance", "random", "streaming"],
+        ["importance", "snapkv+adaptive", "expected", "random"],
         [0.5, 0.8, 0.9],
         docs,
         prefix,

@@ -16,7 +16,7 @@ def projected_value_norms(values: torch.Tensor, output_weight: torch.Tensor, gro
     Args:
         values: `[kv_heads, n, d]`; output_weight: `[hidden, q_heads * d]`.
     """
-    kv_heads, n, dim = values.shape
+    kv_heads, _, dim = values.shape
     norms = []
     for h in range(kv_heads):
         # the group's slices of W_o, side by side: [d, group * hidden]
@@ -24,6 +24,7 @@ def projected_value_norms(values: torch.Tensor, output_weight: torch.Tensor, gro
         stacked = slices.unflatten(1, (group, dim)).permute(2, 1, 0).reshape(dim, -1)
         norms.append((values[h].float() @ stacked).unflatten(1, (group, -1)).abs().sum(dim=-1).t())
     return torch.cat(norms)
+
 
 @dataclass(frozen=True)
 class CriticalScorer:
