@@ -157,7 +157,7 @@ def sieve_attention_forward(
                 window_queries=query[0, :, -window:].float().clone(),
                 window_positions=view.query_positions[-window:].clone(),
                 scaling=scale,
-                output_weight=getattr(output_projection, "weight", None),
+                output_weight=None if output_projection is None else output_projection.weight.detach(),
             ),
         )
     attn_output = torch.cat(outputs, dim=0).unsqueeze(0)  # [1, heads, q, d]

@@ -88,6 +88,7 @@ class Policy:
         """Whether the prefill must sum the attention each key receives from all queries."""
         return self.scorer.needs_accumulated
 
+    @torch.no_grad()
     def keep_indices(
         self,
         observations: Sequence[Observation],

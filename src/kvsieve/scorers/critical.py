@@ -9,6 +9,9 @@ import torch
 
 from ..observe import DEFAULT_WINDOW, Observation
 
+#: Entries projected at once (a few MiB of projections, so the norms are taken in cache).
+ROWS_PER_BLOCK = 512
+
 
 def projected_value_norms(values: torch.Tensor, output_weight: torch.Tensor, group: int) -> torch.Tensor:
     """`||W_o^h v||_1` for every query head h and entry: `[q_heads, n]`.
@@ -16,13 +19,17 @@ def projected_value_norms(values: torch.Tensor, output_weight: torch.Tensor, gro
     Args:
         values: `[kv_heads, n, d]`; output_weight: `[hidden, q_heads * d]`.
     """
-    kv_heads, _, dim = values.shape
+    kv_heads, n, dim = values.shape
     norms = []
     for h in range(kv_heads):
-        # the group's slices of W_o, side by side: [d, group * hidden]
+        # the group's slices of W_o side by side, [d, group * hidden]; rows in blocks that stay in cache
         slices = output_weight[:, h * group * dim : (h + 1) * group * dim].float()
-        stacked = slices.unflatten(1, (group, dim)).permute(2, 1, 0).reshape(dim, -1)
-        norms.append((values[h].float() @ stacked).unflatten(1, (group, -1)).abs().sum(dim=-1).t())
+        stacked = slices.unflatten(1, (group, dim)).permute(2, 1, 0).reshape(dim, -1).contiguous()
+        blocks = [
+            (values[h, start : start + ROWS_PER_BLOCK].float() @ stacked).unflatten(1, (group, -1)).abs().sum(dim=-1)
+            for start in range(0, n, ROWS_PER_BLOCK)
+        ]
+        norms.append(torch.cat(blocks).t())
     return torch.cat(norms)
 
 
