@@ -208,7 +208,3 @@ def split_policies(text: str) -> list[str]:
 
 def known_policies() -> list[str]:
     return list(SCORERS)
-
-
-def known_allocators() -> list[str]:
-    return list(ALLOCATORS)
