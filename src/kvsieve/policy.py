@@ -174,13 +174,13 @@ def make_policy(spec: str | Policy, budget: str | None = None, **params: object)
         key, eq, value = (x.strip() for x in item.partition("="))
         if not eq:
             raise PolicyError(f"policy parameter {item!r} is not key=value")
-        if key not in owner:
-            raise PolicyError(f"unknown parameter {key!r} for {label}; valid: {valid}")
-        given[key] = _convert(value, parts[owner[key]][key], key)
-    for key, value in params.items():
-        if key not in owner:
-            raise PolicyError(f"unknown parameter {key!r} for {label}; valid: {valid}")
         given[key] = value
+    given |= params
+    for key, value in given.items():
+        if key not in owner:
+            raise PolicyError(f"unknown parameter {key!r} for {label}; valid: {valid}")
+        if key not in params:  # spec text: convert to the type of the default
+            given[key] = _convert(value, parts[owner[key]][key], key)
     kwargs = {part: {k: v for k, v in given.items() if owner[k] == part} for part in parts}
     try:
         scorer = SCORERS[scorer_name](**kwargs["scorer"])

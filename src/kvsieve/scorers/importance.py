@@ -10,6 +10,12 @@ import torch
 from ..observe import Observation
 
 
+def mean_received(obs: Observation, who: str) -> torch.Tensor:
+    """`[kv_heads, n]` attention each key received per prefill query that could see it, summed over the group."""
+    mass = obs.per_kv_head(obs.require_received(who))
+    return mass / obs.queries_seeing.clamp(min=1).to(mass.dtype)
+
+
 @dataclass(frozen=True)
 class ImportanceScorer:
     """Attention each key received from all prefill queries, summed over its query-head group.
@@ -24,7 +30,6 @@ class ImportanceScorer:
     normalize: bool = True
 
     def score(self, obs: Observation) -> torch.Tensor:
-        mass = obs.per_kv_head(obs.require_received(self.name))
         if self.normalize:
-            mass = mass / obs.queries_seeing.clamp(min=1).to(mass.dtype)
-        return mass
+            return mean_received(obs, self.name)
+        return obs.per_kv_head(obs.require_received(self.name))

@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 
 from ..observe import Observation
+from .importance import mean_received
 
 
 @dataclass(frozen=True)
@@ -22,5 +23,4 @@ class VATPScorer:
     needs_accumulated: ClassVar[bool] = True
 
     def score(self, obs: Observation) -> torch.Tensor:
-        mass = obs.per_kv_head(obs.require_received(self.name)) / obs.queries_seeing.clamp(min=1)
-        return mass * obs.values.float().abs().sum(dim=-1)
+        return mean_received(obs, self.name) * obs.values.float().abs().sum(dim=-1)
