@@ -11,10 +11,12 @@ from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaFor
 REFERENCE_ATTENTION = "kvsieve_test_masked_reference"
 
 
-def tiny_llama(seed: int = 0, layers: int = 3, heads: int = 4, kv_heads: int = 2) -> LlamaForCausalLM:
+def tiny_llama(
+    seed: int = 0, layers: int = 3, heads: int = 4, kv_heads: int = 2, vocab_size: int = 128
+) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=128,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=layers,

@@ -13,6 +13,15 @@ from .observe import observe_prefill
 from .policy import Policy, check_rate, make_policy
 
 
+def question_protection(n_context: int, n_question: int, sliding_window: int) -> torch.Tensor:
+    """Positions protected in question-aware compression: the question and the context's own recent window.
+
+    Protecting the context's last `sliding_window` tokens as the agnostic case does makes both
+    modes evict the same number of context entries.
+    """
+    return torch.arange(max(0, n_context - sliding_window), n_context + n_question)
+
+
 def compress(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -49,10 +58,8 @@ def compress(
     if question_ids is not None:
         if not isinstance(question_ids, torch.Tensor) or question_ids.ndim != 2 or question_ids.shape[0] != 1:
             raise ValueError("question_ids must be a LongTensor of shape [1, tokens]")
-        # the question and, as in the agnostic case, the context's own recent window are protected
-        start = input_ids.shape[-1]
-        first = max(0, start - resolved.sliding_window)
-        protected = torch.arange(first, start + question_ids.shape[-1], device=input_ids.device)
+        protected = question_protection(input_ids.shape[-1], question_ids.shape[-1], resolved.sliding_window)
+        protected = protected.to(input_ids.device)
         protect_positions = protected if protect_positions is None else torch.cat([protect_positions, protected])
         input_ids = torch.cat([input_ids, question_ids.to(input_ids.device)], dim=-1)
     prefill = observe_prefill(

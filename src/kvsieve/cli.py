@@ -1,10 +1,11 @@
-"""`kvsieve` command line: perplexity sweeps, the demo, and the list of policies."""
+"""`kvsieve` command line: perplexity and task sweeps, reports, eviction maps, the demo, the list of policies."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
@@ -13,16 +14,24 @@ import torch
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
 
 from .allocators import ALLOCATORS
 from .apply import compress
 from .data import essay_texts, sample_documents
+from .data.sample import TaskSample
+from .data.suites import resolve_tasks, task_samples
 from .eval import run_ppl
+from .eval.analysis import accuracy_by_rate
+from .eval.contenders import Contender, parse_contenders
 from .eval.perplexity import Progress as ProgressCallback
+from .eval.sweep import MODES, run_sweep, sample_survival
 from .models import load_model
 from .observe import observe_prefill
 from .policy import PolicyError, check_rate, make_policy, split_policies
 from .report import plot_ppl, ppl_markdown, ppl_table
+from .report.figures import plot_eviction_map
+from .report.html import MANIFEST_FILE, RESULTS_FILE, accuracy_pivot, write_report
 from .scorers import SCORERS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -182,6 +191,127 @@ def demo(
     )
     (out / "report.md").write_text(markdown)
     console.print(f"wrote {out / 'report.md'}, {out / 'ppl.json'}, {out / 'ppl.png'}")
+
+
+def _parsed(hint: str, parse: Callable[[], Any]) -> Any:
+    """Run a parser; its ValueError becomes a clean command-line error naming the option."""
+    try:
+        return parse()
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint=hint) from None
+
+
+def _map_path(folder: Path, sample: TaskSample, mode: str, contender: Contender, rate: float) -> Path:
+    name = f"{sample.task}-{sample.index}-{mode}-{contender.name}-{rate:g}"
+    return folder / (re.sub(r"[^A-Za-z0-9._+=-]", "_", name) + ".png")
+
+
+def write_eviction_map(
+    model: Any, tokenizer: Any, sample: TaskSample, contender: Contender, rate: float, mode: str, path: Path
+) -> Path:
+    survival, evidence = sample_survival(model, tokenizer, sample, contender, rate, mode)
+    title = f"{sample.task} #{sample.index}, {contender.name} at {rate:.0%} ({mode}); evidence marked"
+    return plot_eviction_map(survival, evidence, path, title=title)
+
+
+@app.command()
+def sweep(
+    tasks: Annotated[str, typer.Option(help="tasks or suites (ruler, routing), comma-separated")] = "ruler",
+    policies: Annotated[
+        str, typer.Option(help="kvsieve specs and kvpress:<press> names; the full cache is always run")
+    ] = "snapkv,expected,importance,random",
+    rates: Annotated[str, typer.Option(help="comma-separated eviction rates in [0, 1)")] = "0.5,0.75,0.9",
+    samples: Annotated[int, typer.Option(min=1, help="samples per task")] = 10,
+    length: Annotated[int, typer.Option(min=128, help="prompt tokens per sample")] = 2048,
+    modes: Annotated[str, typer.Option(help="agnostic, aware, or agnostic,aware")] = "agnostic",
+    seed: Annotated[int, typer.Option(help="sample generation")] = 0,
+    out: Annotated[Path, typer.Option(help="results folder (results.jsonl is appended to: a rerun resumes)")] = Path(
+        "results/sweep"
+    ),
+    model: Annotated[str | None, typer.Option(help="HF id, model dir or .gguf (default: SmolLM2-135M)")] = None,
+    chat: Annotated[bool | None, typer.Option("--chat/--no-chat", help="chat template (default: if any)")] = None,
+    maps: Annotated[bool, typer.Option(help="eviction maps of each task's first sample at the top rate")] = True,
+) -> None:
+    """Task accuracy per policy and rate on RULER-style tasks and the routing suite, with routing diagnostics."""
+    task_names = _parsed("--tasks", lambda: resolve_tasks(tasks))
+    contenders = _parsed("--policies", lambda: parse_contenders(policies))
+    rate_list = _parsed("--rates", lambda: [check_rate(r) for r in _split(rates, float)])
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    if not mode_list or any(m not in MODES for m in mode_list):
+        raise typer.BadParameter(f"modes are {', '.join(MODES)}, got {modes!r}", param_hint="--modes")
+    lm, tokenizer = load_model(model)
+    items = task_samples(task_names, tokenizer, length=length, n=samples, seed=seed, chat=chat)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = {
+        "model": model or "smollm2-135m",
+        "tasks": task_names,
+        "policies": [c.name for c in contenders],
+        "rates": rate_list,
+        "modes": mode_list,
+        "samples": samples,
+        "length": length,
+        "seed": seed,
+    }
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+    with progress_bar("sweep: prefill once per sample, sieve many") as progress:
+        rows = run_sweep(
+            lm,
+            tokenizer,
+            items,
+            [c.name for c in contenders],
+            rate_list,
+            mode_list,
+            results=out / RESULTS_FILE,
+            chat=chat,
+            progress=progress,
+        )
+    pivot = accuracy_pivot(accuracy_by_rate(rows))
+    table = Table(*map(str, pivot.columns), title="Accuracy (%) by rate (rate 0 = full cache)")
+    for line in pivot.itertuples(index=False):
+        table.add_row(*(str(v) for v in line))
+    console.print(table)
+    if maps:
+        for task in task_names:
+            first = next(s for s in items if s.task == task)
+            for contender in contenders[1:]:
+                path = _map_path(out / "maps", first, mode_list[0], contender, max(rate_list))
+                if not path.exists():
+                    write_eviction_map(lm, tokenizer, first, contender, max(rate_list), mode_list[0], path)
+    console.print(f"wrote {out / RESULTS_FILE}; `kvsieve report {out}` makes the HTML page")
+
+
+@app.command()
+def report(folder: Annotated[Path, typer.Argument(help="a folder written by `kvsieve sweep`")]) -> None:
+    """Turn a sweep folder into one HTML page with the tables and figures."""
+    try:
+        page = write_report(folder)
+    except FileNotFoundError as err:
+        raise typer.BadParameter(str(err), param_hint="FOLDER") from None
+    console.print(f"wrote {page}")
+
+
+@app.command(name="map")
+def eviction_map(
+    task: Annotated[str, typer.Option(help="a RULER task or routing family")] = "niah_single_1",
+    index: Annotated[int, typer.Option(min=0, help="which sample of the task")] = 0,
+    policy: Annotated[str, typer.Option(help="a kvsieve spec or kvpress:<press>")] = "snapkv",
+    rate: Annotated[float, typer.Option(help="eviction rate in [0, 1)")] = 0.9,
+    length: Annotated[int, typer.Option(min=128)] = 2048,
+    mode: Annotated[str, typer.Option(help="agnostic or aware")] = "agnostic",
+    seed: Annotated[int, typer.Option()] = 0,
+    out: Annotated[Path, typer.Option(help="PNG path")] = Path("eviction_map.png"),
+    model: Annotated[str | None, typer.Option()] = None,
+) -> None:
+    """The eviction map of one sample: which (layer, kv-head) keeps which context token, evidence marked."""
+    names = _parsed("--task", lambda: resolve_tasks(task))
+    contender = _parsed("--policy", lambda: parse_contenders(policy)[-1])
+    _parsed("--rate", lambda: check_rate(rate))
+    if mode not in MODES:
+        raise typer.BadParameter(f"modes are {', '.join(MODES)}, got {mode!r}", param_hint="--mode")
+    lm, tokenizer = load_model(model)
+    sample = task_samples(names, tokenizer, length=length, n=index + 1, seed=seed)[index]
+    path = write_eviction_map(lm, tokenizer, sample, contender, rate, mode, out)
+    console.print(f"wrote {path}")
 
 
 if __name__ == "__main__":

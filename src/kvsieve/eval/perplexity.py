@@ -90,7 +90,7 @@ def continuation_nll(model: torch.nn.Module, cache: SievedCache, ids: torch.Tens
     return float(F.cross_entropy(logits[0].float(), ids[0, 1:], reduction="sum"))
 
 
-def _for_document(policy: Policy, doc_index: int) -> Policy:
+def per_document_policy(policy: Policy, doc_index: int) -> Policy:
     """Seeded scorers draw fresh randomness for every document."""
     if any(f.name == "seed" for f in dataclasses.fields(policy.scorer)):
         scorer = dataclasses.replace(policy.scorer, seed=policy.scorer.seed * 10_007 + doc_index)
@@ -151,7 +151,7 @@ def run_ppl(
         step()
 
         for policy in resolved:
-            doc_policy = _for_document(policy, doc_index)
+            doc_policy = per_document_policy(policy, doc_index)
             for rate in rates:
                 if reprefill:
                     with timed("prefill"):

@@ -1,0 +1,115 @@
+"""Task accuracy on the 11 RULER-style tasks and the routing probe suite, full cache vs the main policies.
+
+RULER tasks at 2k tokens, 10 samples each, question-agnostic; the routing suite (7 families,
+10 samples each, 1k tokens) question-agnostic and question-aware. Full cache and the main
+policies at rates 0.25/0.5/0.75/0.9 (0.25 locates the cliff), one prefill per (sample, mode). Raw rows go to
+results/ruler_table/results.jsonl (a rerun resumes), with an HTML report next to them; the
+summary tables, JSON and figures go to benchmarks/results/.
+
+    python benchmarks/ruler_table.py [--samples 10] [--length 2048] [--routing-length 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pandas as pd
+from rich.console import Console
+
+from kvsieve import load_model
+from kvsieve.cli import progress_bar
+from kvsieve.data.suites import task_samples
+from kvsieve.eval.analysis import accuracy_by_rate, cliff, hallucination_vs_ger
+from kvsieve.eval.sweep import run_sweep
+from kvsieve.report.figures import plot_accuracy_vs_rate, plot_hallucination_vs_ger
+from kvsieve.report.html import write_report
+
+ROOT = Path(__file__).parent
+RESULTS = ROOT / "results"
+RAW = ROOT.parent / "results" / "ruler_table"
+
+
+def task_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Accuracy (%) per (mode, policy, rate) and task, plus the mean over tasks (rows: configurations)."""
+    rows = rows.assign(correct=rows["correct"].astype(float) * 100)
+    table = rows.pivot_table(index=["mode", "policy", "rate"], columns="task", values="correct", aggfunc="mean")
+    table = table[list(dict.fromkeys(rows["task"]))]
+    table["mean"] = table.mean(axis=1)
+    order = {p: i for i, p in enumerate(dict.fromkeys(rows["policy"]))}
+    table = table.reset_index().sort_values(
+        ["mode", "rate", "policy"], key=lambda c: c.map(order) if c.name == "policy" else c
+    )
+    return table.reset_index(drop=True)
+
+
+def markdown(table: pd.DataFrame) -> str:
+    header = [str(c) for c in table.columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in table.itertuples(index=False):
+        cells = [
+            f"{v:.0%}" if c == "rate" else f"{v:.0f}" if isinstance(v, float) else str(v)
+            for c, v in zip(header, row, strict=True)
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=10)
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--routing-length", type=int, default=1024)
+    parser.add_argument("--policies", default="snapkv,expected,importance,random")
+    parser.add_argument("--rates", default="0.25,0.5,0.75,0.9")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    console = Console(width=220)
+    rates = [float(r) for r in args.rates.split(",")]
+    model, tokenizer = load_model()
+    RAW.mkdir(parents=True, exist_ok=True)
+    runs = [
+        ("ruler", "ruler", args.length, ("agnostic",)),
+        ("routing", "routing", args.routing_length, ("agnostic", "aware")),
+    ]
+    frames, summary = [], {"samples_per_task": args.samples, "policies": args.policies, "rates": rates}
+    for suite, tasks, length, modes in runs:
+        samples = task_samples(tasks, tokenizer, length=length, n=args.samples, seed=args.seed)
+        with progress_bar(f"{suite} at {length} tokens") as progress:
+            rows = run_sweep(
+                model, tokenizer, samples, args.policies, rates, modes, results=RAW / "results.jsonl", progress=progress
+            )
+        rows = rows[rows["suite"] == suite]
+        frames.append(rows)
+        table = task_table(rows)
+        console.print(f"[bold]{suite}[/bold]: accuracy (%) at {length} tokens, {args.samples} samples per task")
+        console.print(table.round(1).to_string(index=False))
+        (RESULTS / f"ruler_table_{suite}.md").write_text(markdown(table) + "\n")
+        summary[suite] = {
+            "length": length,
+            "modes": list(modes),
+            "table": json.loads(table.to_json(orient="records")),
+            "cliff": json.loads(cliff(rows).to_json(orient="records")),
+            "seconds": {
+                "prefill": float(rows.groupby(["sample", "mode"])["prefill_seconds"].first().sum()),
+                "configurations": float(rows["seconds"].sum()),
+            },
+        }
+        plot_accuracy_vs_rate(
+            accuracy_by_rate(rows), RESULTS / f"ruler_table_{suite}.png", title=f"{suite} at {length}"
+        )
+    rows = pd.concat(frames, ignore_index=True)
+    halluc = hallucination_vs_ger(rows)
+    summary["hallucination_vs_ger"] = {
+        k: halluc[k] for k in ("r_points", "r_samples", "n_points", "n_samples", "which")
+    }
+    plot_hallucination_vs_ger(halluc["points"], halluc["r_points"], RESULTS / "ruler_table_hallucination_vs_ger.png")
+    console.print(f"hallucination vs GER: r_points={halluc['r_points']:.3f}, r_samples={halluc['r_samples']:.3f}")
+    (RESULTS / "ruler_table.json").write_text(json.dumps(summary, indent=2))
+    page = write_report(RAW)
+    console.print(f"wrote {RESULTS}/ruler_table.json, ruler_table_*.md/png and {page}")
+
+
+if __name__ == "__main__":
+    main()

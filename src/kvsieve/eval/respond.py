@@ -1,0 +1,86 @@
+"""Answer a question from a (compressed) cache: the greedy answer and the gold answer's teacher-forced statistics."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from transformers import Cache
+
+from .answers import gold_statistics
+
+
+@dataclass(frozen=True)
+class Response:
+    """What the model did after the prompt.
+
+    Attributes:
+        tokens: `[new]` the greedy answer's token ids (generation stops at EOS or `max_new_tokens`).
+        gold_logprob: log-probability of the gold answer's tokens, teacher-forced.
+        gold_rank: rank of the gold answer's first content token among the vocabulary (1 = top).
+    """
+
+    tokens: torch.Tensor
+    gold_logprob: float
+    gold_rank: int
+
+
+def fork(cache: Cache) -> Cache:
+    """An independent copy of a cache (`SievedCache.copy` when it has one)."""
+    return cache.copy() if hasattr(cache, "copy") else copy.deepcopy(cache)
+
+
+def feed(model: torch.nn.Module, cache: Cache, ids: torch.Tensor, max_feed: int | None = None) -> torch.Tensor:
+    """Run `ids` (`[1, n]`) through `model` after `cache`, at most `max_feed` tokens a forward; logits `[n, vocab]`."""
+    step = max_feed or max(1, ids.shape[1])
+    chunks = [
+        model(input_ids=ids[:, i : i + step], past_key_values=cache, use_cache=True).logits[0]
+        for i in range(0, ids.shape[1], step)
+    ]
+    return torch.cat(chunks) if chunks else torch.empty(0)
+
+
+@torch.no_grad()
+def respond(
+    model: torch.nn.Module,
+    cache: Cache,
+    prompt_ids: torch.Tensor,
+    gold_ids: torch.Tensor,
+    max_new_tokens: int,
+    eos_token_id: int | list[int] | None = None,
+    rank_index: int = 0,
+    max_feed: int | None = None,
+) -> Response:
+    """Teacher-force the gold answer on a copy of `cache`, then generate greedily from `cache` itself.
+
+    Args:
+        cache: holds a prefix of `prompt_ids` (its logical length); the rest is fed.
+        prompt_ids: `[1, n]` the whole prompt (context and question).
+        gold_ids: `[1, g]` the gold answer.
+        eos_token_id: where generation stops (default: the model's generation config).
+        rank_index: which gold token's rank to report (see `gold_statistics`).
+        max_feed: feed the rest of the prompt and the gold answer at most this many tokens a
+            forward (kvpress's AdaKV needs it; exact either way).
+    """
+    seen = cache.get_seq_length()
+    tail = prompt_ids[:, seen:]
+    if tail.shape[1] == 0:
+        raise ValueError("the cache already holds the whole prompt; leave at least one prompt token to feed")
+    if max_feed is not None:  # feed all but the last prompt token now, in chunks; generate feeds the last
+        feed(model, cache, tail[:, :-1], max_feed)
+        tail = tail[:, -1:]
+    forced = torch.cat([tail, gold_ids[:, :-1]], dim=-1)
+    logits = feed(model, fork(cache), forced, max_feed)[tail.shape[1] - 1 :]
+    logprob, rank = gold_statistics(logits, gold_ids[0], rank_index)
+    stop = eos_token_id if eos_token_id is not None else model.generation_config.eos_token_id
+    out = model.generate(
+        prompt_ids,
+        attention_mask=torch.ones_like(prompt_ids),  # never inferred from a pad id that may occur in the prompt
+        past_key_values=cache,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=stop,
+        pad_token_id=(stop[0] if isinstance(stop, list) else stop) if stop is not None else 0,
+    )
+    return Response(tokens=out[0, prompt_ids.shape[1] :], gold_logprob=logprob, gold_rank=rank)

@@ -1,0 +1,191 @@
+"""Figures of the routing diagnostics and the sweep analysis (matplotlib, Agg).
+
+Each function takes the data, a path and an optional title, writes a PNG and returns its path.
+The tables come from `kvsieve.eval.analysis`; GER and consensus follow arXiv 2603.01426.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import torch
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+
+def _save(fig: Figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _legend(ax: plt.Axes, entries: int) -> None:
+    if entries > 8:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    elif entries:
+        ax.legend(fontsize=8)
+
+
+def plot_eviction_map(
+    survival: torch.Tensor,
+    evidence_positions: torch.Tensor | Sequence[int],
+    path: str | Path,
+    title: str | None = None,
+    per_head: bool = False,
+) -> Path:
+    """Which context tokens survive where: layers (rows) x tokens (columns), evidence marked in a strip above.
+
+    Colour = share of the layer's kv-heads keeping the token (0 = globally evicted in that layer).
+    With `per_head=True` every (layer, kv-head) pair gets its own row (kept / evicted).
+    """
+    if not isinstance(survival, torch.Tensor) or survival.ndim != 3:
+        raise ValueError("survival must be a bool tensor [layers, kv_heads, n_context]")
+    layers, heads, n = survival.shape
+    grid = survival.float().flatten(0, 1) if per_head else survival.float().mean(dim=1)
+    evidence = torch.as_tensor(evidence_positions, dtype=torch.long).flatten().cpu()
+    strip = np.zeros((1, n))
+    strip[0, evidence[(evidence >= 0) & (evidence < n)].numpy()] = 1.0
+    height = min(9.0, 2.0 + 0.18 * grid.shape[0])
+    fig, (top, ax) = plt.subplots(
+        2, 1, figsize=(10, height), dpi=120, sharex=True, gridspec_kw={"height_ratios": [1, 12], "hspace": 0.05}
+    )
+    top.imshow(strip, aspect="auto", cmap="Reds", vmin=0, vmax=1, interpolation="nearest")
+    top.set_yticks([0], ["evidence"])
+    top.tick_params(axis="x", bottom=False, labelbottom=False)
+    image = ax.imshow(grid.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
+    if len(evidence):
+        ax.set_xticks(evidence.tolist(), minor=True)
+        ax.tick_params(axis="x", which="minor", length=6, color="red", width=1.2)
+    ax.set_xlabel("context token position")
+    if per_head:
+        ax.set_ylabel(f"(layer, kv-head), {heads} heads per layer")
+        shown = range(0, layers, max(1, layers // 12))
+        ax.set_yticks([layer * heads + (heads - 1) / 2 for layer in shown], [f"L{layer}" for layer in shown])
+        for layer in range(1, layers):
+            ax.axhline(layer * heads - 0.5, color="white", linewidth=0.6)
+    else:
+        ax.set_ylabel("layer")
+    label = "kept (1) / evicted (0)" if per_head else f"share of the layer's {heads} kv-heads keeping the token"
+    fig.colorbar(image, ax=[top, ax], label=label, fraction=0.03, pad=0.01)
+    kept = float(survival.float().mean())
+    top.set_title(title or f"eviction map: {layers} layers x {n} tokens, {100 * kept:.0f}% of entries kept")
+    return _save(fig, path)
+
+
+def _curve_label(row: pd.Series, suites: int) -> str:
+    label = str(row["policy"])
+    if row.get("library") not in (None, "kvsieve") and not label.startswith(f"{row['library']}:"):
+        label = f"{row['library']}:{label}"
+    return f"{label} [{row['suite']}]" if suites > 1 else label
+
+
+def plot_accuracy_vs_rate(table: pd.DataFrame, path: str | Path, title: str | None = None) -> Path:
+    """Accuracy (%) vs eviction rate, one line per policy, one panel per mode; the full cache as a dashed line.
+
+    `table` is `accuracy_by_rate(df)`.
+    """
+    modes = sorted(table["mode"].unique()) if "mode" in table.columns else [None]
+    suites = table["suite"].nunique() if "suite" in table.columns else 1
+    labels = sorted({_curve_label(row, suites) for _, row in table[table["policy"] != "full"].iterrows()})
+    palette = plt.get_cmap("tab10" if len(labels) <= 10 else "tab20")
+    colours = {label: palette(i % palette.N) for i, label in enumerate(labels)}  # one colour per curve in every panel
+    fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.5), dpi=120, sharey=True, squeeze=False)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        rows = table if mode is None else table[table["mode"] == mode]
+        full = rows[rows["policy"] == "full"]
+        for _, row in full.drop_duplicates(subset=["suite"] if "suite" in rows else None).iterrows():
+            ax.axhline(
+                100 * row["accuracy"], color="grey", linestyle="--", linewidth=1, label=_curve_label(row, suites)
+            )
+        keys = [k for k in ("suite", "library", "policy") if k in rows.columns]
+        curves = rows[rows["policy"] != "full"].groupby(keys, sort=True)
+        for _, curve in curves:
+            curve = curve.sort_values("rate")
+            label = _curve_label(curve.iloc[0], suites)
+            style = "-" if curve.iloc[0].get("library", "kvsieve") == "kvsieve" else "--"
+            ax.plot(
+                100 * curve["rate"],
+                100 * curve["accuracy"],
+                marker="o",
+                linestyle=style,
+                color=colours[label],
+                label=label,
+            )
+        ax.set_xlabel("eviction rate (% of evictable entries)")
+        ax.set_title(f"question-{mode}" if mode else "accuracy")
+        ax.set_ylim(-3, 103)
+        ax.grid(alpha=0.3)
+        _legend(ax, len(curves) + len(full))
+    axes[0][0].set_ylabel("accuracy (%)")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_hallucination_vs_ger(points: pd.DataFrame, r: float, path: str | Path, title: str | None = None) -> Path:
+    """Scatter of hallucination rate vs mean GER, one colour per policy, one marker per mode; Pearson r in the title.
+
+    `points` is `hallucination_vs_ger(df)["points"]`.
+    """
+    fig, ax = plt.subplots(figsize=(6.5, 4.5), dpi=120)
+    markers = {"agnostic": "o", "aware": "^"}
+    policies = sorted(points["policy"].unique())
+    colours = plt.get_cmap("tab10" if len(policies) <= 10 else "tab20")
+    for i, policy in enumerate(policies):
+        for mode, rows in points[points["policy"] == policy].groupby("mode"):
+            ax.scatter(
+                100 * rows["mean_ger"],
+                100 * rows["hallucination_rate"],
+                color=colours(i % colours.N),
+                marker=markers.get(mode, "s"),
+                label=f"{policy} ({mode})",
+                alpha=0.85,
+            )
+    ax.set_xlabel("mean GER, per-layer scope (% of evidence tokens no head of the layer keeps)")
+    ax.set_ylabel("hallucination rate (%)")
+    ax.grid(alpha=0.3)
+    _legend(ax, len(ax.collections))
+    ax.set_title(f"{title + ': ' if title else ''}Pearson r = {r:.2f} over {len(points)} (policy, rate, mode) points")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_consensus_by_depth(table: pd.DataFrame, path: str | Path, title: str | None = None) -> Path:
+    """Head consensus vs layer index, a line per (policy, rate); darker = higher rate.
+
+    `table` is `consensus_by_depth(df)`; H = the query heads of one layer.
+    """
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
+    policies = sorted(table["policy"].unique())
+    maps = ["Blues", "Oranges", "Greens", "Reds", "Purples", "Greys", "YlOrBr", "PuRd", "BuGn", "GnBu"]
+    lines = 0
+    for i, policy in enumerate(policies):
+        rows = table[table["policy"] == policy]
+        rates = sorted(rows["rate"].unique())
+        cmap = plt.get_cmap(maps[i % len(maps)])
+        for j, rate in enumerate(rates):
+            curve = rows[rows["rate"] == rate].sort_values("layer")
+            shade = 0.45 + 0.5 * (j / max(1, len(rates) - 1))
+            ax.plot(
+                curve["layer"], curve["consensus"], marker=".", color=cmap(shade), label=f"{policy} @ {100 * rate:.0f}%"
+            )
+            lines += 1
+    ax.set_xlabel("layer")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("head consensus (distinct argmax tokens / query heads)")
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    _legend(ax, lines)
+    ax.set_title(title or "head consensus by depth (H = query heads of one layer; low = rigid)")
+    fig.tight_layout()
+    return _save(fig, path)

@@ -1,0 +1,246 @@
+"""kvpress side by side: the same kept count as kvsieve, true bytes, and continuations equal to a masked full cache."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+import kvsieve
+from conftest import tiny_llama
+from kvsieve.allocators import uniform_keep
+from kvsieve.attention import ATTENTION_NAME, sieve_attention_forward
+from kvsieve.compare import KVPRESS_PRESSES, import_kvpress, kvpress_compress, kvpress_ratio, make_press
+
+kvpress = import_kvpress()  # before any plain `import kvpress`: keeps conftest's reference attention unwrapped
+
+N_CONTEXT = 100
+N_PROTECTED = 33  # kvsieve's defaults: 1 sink + 32 recent tokens
+HEAD_DIM = 16  # tiny_llama: hidden 64 over 4 query heads
+
+
+def _ids(n: int = 106, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _kept_positions(visible: torch.Tensor) -> list[list[torch.Tensor]]:
+    return [[head.nonzero().flatten() for head in layer] for layer in visible]
+
+
+def _logits(model, cache, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, past_key_values=cache).logits
+
+
+def test_ratio_count_matches_kvsieve_formula_over_a_grid():
+    """kvpress's own kept count at our ratio equals kvsieve's protected + uniform keep, for many lengths and rates."""
+    from kvpress.utils import compute_n_kept
+
+    for n in [34, 50, 99, 100, 101, 257, 1000, 4093, 8192]:
+        for step in range(100):
+            rate = step / 100
+            expected = N_PROTECTED + uniform_keep(n - N_PROTECTED, rate)
+            assert compute_n_kept(n, kvpress_ratio(rate, n, N_PROTECTED)) == expected, (n, rate)
+    assert kvpress_ratio(0.5, 20, N_PROTECTED) == 0.0  # nothing evictable: nothing evicted
+    with pytest.raises(ValueError, match="eviction rate"):
+        kvpress_ratio(1.0, 100, 33)
+
+
+@pytest.mark.parametrize("rate", [0.3, 0.8])
+@torch.no_grad()
+def test_kept_count_equals_kvsieve_compress(rate):
+    """Both libraries hold the same number of entries per head at one rate (kvsieve counted by its cache)."""
+    model, ctx = tiny_llama(), _ids()[:, :N_CONTEXT]
+    sieved = kvsieve.compress(model, ctx, "knorm", rate)
+    counts = {n for layer in sieved.stored_lengths() for n in layer}
+    assert len(counts) == 1
+    pressed = kvpress_compress(model, ctx, "knorm", rate)
+    assert {int(layer.keys.shape[-2]) for layer in pressed.cache.layers} == counts
+    assert set(pressed.visible.sum(-1).flatten().tolist()) == counts
+    assert model.config._attn_implementation == ATTENTION_NAME, "the previous attention must come back"
+
+
+@pytest.mark.parametrize("press", ["knorm", "snapkv", "streaming_llm"])
+@torch.no_grad()
+def test_pruning_press_continuation_equals_masked_reference(masked_reference, press):
+    """A pruned cache continues (teacher forced and generate) like a full float64 cache masking what it dropped."""
+    model, ids = tiny_llama(seed=3), _ids(seed=2)
+    ctx, question = ids[:, :N_CONTEXT], ids[:, N_CONTEXT:]
+    pressed = kvpress_compress(model, ctx, press, 0.6)
+    kept = _kept_positions(pressed.visible)
+    n_kept = int(pressed.visible.sum())
+    assert n_kept < pressed.visible.numel()
+    assert pressed.kv_bytes == n_kept * 2 * HEAD_DIM * 4  # keys + values, float32
+    assert pressed.kv_bytes == sum(t.nbytes for layer in pressed.cache.layers for t in (layer.keys, layer.values))
+    gen = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0, "return_dict_in_generate": True}
+    gen["output_logits"] = True
+    with pressed.decoding(model):
+        ours = _logits(model, copy.deepcopy(pressed.cache), question)
+        ours_gen = model.generate(ids, past_key_values=copy.deepcopy(pressed.cache), **gen)
+    with masked_reference(model, ctx, kept) as ref:
+        expected = _logits(model, copy.deepcopy(ref.cache), question)
+        expected_gen = model.generate(ids, past_key_values=ref.cache, **gen)
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+    assert torch.equal(ours_gen.sequences, expected_gen.sequences)
+    torch.testing.assert_close(torch.stack(ours_gen.logits), torch.stack(expected_gen.logits), atol=1e-4, rtol=0)
+    with masked_reference(model, ctx, [[torch.arange(N_CONTEXT)] * 2] * 3) as ref:
+        unmasked = _logits(model, ref.cache, question)
+    assert (unmasked - ours).abs().max() > 1e-3, "the press should change the continuation"
+
+
+@torch.no_grad()
+def test_positions_continue_like_kvpress_pipeline():
+    """Plain forwards and the helpers give the logits of kvpress's own pipeline loop (explicit position_ids)."""
+    model, ids = tiny_llama(seed=4), _ids(seed=5)
+    ctx, question = ids[:, :N_CONTEXT], ids[:, N_CONTEXT:]
+    press = make_press("knorm", kvpress_ratio(0.5, N_CONTEXT, N_PROTECTED))
+    raw = DynamicCache()
+    with press(model):
+        model.model(input_ids=ctx, past_key_values=raw)
+    positions = torch.arange(N_CONTEXT, ids.shape[-1])[None]
+    expected = model(input_ids=question, past_key_values=copy.deepcopy(raw), position_ids=positions).logits
+    wrong = model(input_ids=question, past_key_values=copy.deepcopy(raw)).logits  # positions from the stored length
+
+    pressed = kvpress_compress(model, ctx, "knorm", 0.5)
+    torch.testing.assert_close(pressed.forward(model, question), expected, atol=1e-5, rtol=0)
+    assert (wrong - expected).abs().max() > 1e-3, "stored-length positions should differ"
+    out = pressed.generate(model, ids, max_new_tokens=4)
+    step = model(input_ids=question, past_key_values=(cache := copy.deepcopy(raw)), position_ids=positions)
+    tokens = [int(step.logits[0, -1].argmax())]
+    for i in range(3):
+        nxt = torch.tensor([[tokens[-1]]])
+        step = model(input_ids=nxt, past_key_values=cache, position_ids=torch.tensor([[ids.shape[-1] + i]]))
+        tokens.append(int(step.logits[0, -1].argmax()))
+    assert out[0, ids.shape[-1] :].tolist() == tokens
+
+
+@torch.no_grad()
+def test_knorm_visible_equals_lowest_key_norms():
+    """knorm keeps, per (layer, kv-head), the entries whose keys have the smallest norms."""
+    model, ctx = tiny_llama(seed=7), _ids(seed=9)[:, :N_CONTEXT]
+    pressed = kvpress_compress(model, ctx, "knorm", 0.7)
+    n_keep = N_PROTECTED + uniform_keep(N_CONTEXT - N_PROTECTED, 0.7)
+    full = DynamicCache()
+    model(ctx, past_key_values=full)
+    for layer, visible in zip(full.layers, pressed.visible, strict=True):
+        norms = layer.keys[0].double().norm(dim=-1)  # [kv_heads, n]
+        expected = torch.zeros_like(visible)
+        expected.scatter_(1, norms.argsort(dim=-1)[:, :n_keep], True)
+        # the same set, up to a swap of near-equal norms at the boundary (ties broken either way)
+        assert (visible.sum(-1) == n_keep).all()
+        assert (visible != expected).sum() <= 2 * visible.shape[0]
+        for head_norms, kept in zip(norms, visible, strict=True):
+            assert head_norms[kept].max() <= head_norms[~kept].min() + 1e-6
+
+
+@torch.no_grad()
+def test_adakv_masks_ragged_heads_but_keeps_all_bytes(masked_reference):
+    """AdaKV's per-head budgets are ragged, its cache keeps every entry's bytes, and decoding masks the rest."""
+    model, ids = tiny_llama(seed=11), _ids(seed=12)
+    ctx, question = ids[:, :N_CONTEXT], ids[:, N_CONTEXT:]  # 6 tokens: kvpress's fake keys exist for few queries
+    pressed = kvpress_compress(model, ctx, "adakv_expected_attention", 0.5)
+    per_head = pressed.visible.sum(-1)
+    n_keep = N_PROTECTED + uniform_keep(N_CONTEXT - N_PROTECTED, 0.5)
+    assert len(set(per_head.flatten().tolist())) > 1, "expected ragged per-head budgets"
+    assert per_head.sum(-1).tolist() == [2 * n_keep] * 3  # same total as a uniform split, per layer
+    full = DynamicCache()
+    model(ctx, past_key_values=full)
+    full_bytes = sum(t.nbytes for layer in full.layers for t in (layer.keys, layer.values))
+    assert pressed.kv_bytes == full_bytes == 3 * 2 * N_CONTEXT * 2 * HEAD_DIM * 4
+    with pressed.decoding(model):
+        ours = _logits(model, copy.deepcopy(pressed.cache), question)
+    with masked_reference(model, ctx, _kept_positions(pressed.visible)) as ref:
+        expected = _logits(model, ref.cache, question)
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+    unmasked = _logits(model, copy.deepcopy(pressed.cache), question)  # outside decoding(): nothing masked
+    assert (unmasked - ours).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_kvsieve_still_works_after_kvpress():
+    """After kvpress (even one that wrapped sieve attention at import), kvsieve matches a fresh model."""
+    model, fresh, ids = tiny_llama(seed=13), tiny_llama(seed=13), _ids(seed=14)
+    ctx, question = ids[:, :N_CONTEXT], ids[:, N_CONTEXT:]
+    kvsieve.compress(model, ctx, "snapkv", 0.5)  # registers and switches to sieve attention
+    # what importing kvpress after that does: wrap every registered attention function
+    ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] = kvpress.attention_patch.attention_patch(sieve_attention_forward)
+    try:
+        pressed = kvpress_compress(model, ctx, "adakv_expected_attention", 0.5)
+        pressed.forward(model, question)
+        assert model.config._attn_implementation == ATTENTION_NAME
+        cache = kvsieve.compress(model, ctx, "snapkv", 0.5)
+        fresh_cache = kvsieve.compress(fresh, ctx, "snapkv", 0.5)
+        for layer in range(3):
+            for ours, theirs in zip(cache.kept_positions(layer), fresh_cache.kept_positions(layer), strict=True):
+                assert torch.equal(ours, theirs)
+        torch.testing.assert_close(_logits(model, cache, question), _logits(fresh, fresh_cache, question))
+        # no AdaKV mask is left behind on plain SDPA decoding either
+        model.set_attn_implementation("sdpa")
+        fresh.set_attn_implementation("sdpa")
+        mine, theirs = DynamicCache(), DynamicCache()
+        model(ctx, past_key_values=mine)
+        fresh(ctx, past_key_values=theirs)
+        torch.testing.assert_close(_logits(model, mine, question), _logits(fresh, theirs, question))
+    finally:
+        ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] = sieve_attention_forward
+
+
+def test_unknown_press_lists_the_presses():
+    with pytest.raises(ValueError, match="unknown kvpress press 'h2o'") as err:
+        make_press("h2o", 0.5)
+    assert all(name in str(err.value) for name in KVPRESS_PRESSES)
+    with pytest.raises(ValueError, match="known: random, knorm"):
+        kvpress_compress(tiny_llama(), _ids()[:, :N_CONTEXT], "nope", 0.5)
+
+
+def test_every_press_is_built_with_the_ratio():
+    for name in KVPRESS_PRESSES:
+        assert make_press(name, 0.25).compression_ratio == 0.25
+
+
+@pytest.mark.parametrize("press", KVPRESS_PRESSES)
+@torch.no_grad()
+def test_every_press_holds_kvsieves_count_and_decodes(press):
+    """Each press keeps kvsieve's count per head (AdaKV: per layer), decodes, and leaves the model as it was."""
+    model, ids = tiny_llama(seed=21), _ids(seed=22)
+    ctx, question = ids[:, :N_CONTEXT], ids[:, N_CONTEXT:]
+    n_keep = N_PROTECTED + uniform_keep(N_CONTEXT - N_PROTECTED, 0.4)
+    pressed = kvpress_compress(model, ctx, press, 0.4)
+    assert model.config._attn_implementation == "sdpa"
+    assert not any(hasattr(layer.self_attn, "rotary_emb") for layer in model.model.layers)
+    assert pressed.visible.shape == (3, 2, N_CONTEXT) and pressed.seconds > 0
+    if press.startswith("adakv"):
+        assert pressed.visible.sum((-1, -2)).tolist() == [2 * n_keep] * 3
+    else:
+        assert (pressed.visible.sum(-1) == n_keep).all()
+    logits = pressed.forward(model, question)
+    assert logits.shape == (1, question.shape[-1], 128) and bool(logits.isfinite().all())
+
+
+def test_missing_kvpress_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "kvpress", None)  # makes `import kvpress` raise ImportError
+    with pytest.raises(ImportError, match=r'pip install "kvsieve\[compare\]"'):
+        make_press("knorm", 0.5)
+
+
+@pytest.mark.integration
+@torch.no_grad()
+def test_default_model_answers_like_kvpress_pipeline():
+    """On SmolLM2, our prefill + plain `generate` answers exactly as kvpress's own pipeline does."""
+    model, tokenizer = kvsieve.load_model()
+    filler = "The grass is green and the sky is blue; the sun shines over the quiet hills. "
+    context = filler * 3 + "The secret code is 4721. " + filler * 2
+    question = "What is the secret code?"
+    pipe = kvpress.KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer)
+    inputs = pipe.preprocess(context, [question], answer_prefix="", max_context_length=10**6)
+    ctx, q = inputs["context_ids"], inputs["questions_ids"][0]
+    ratio = kvpress_ratio(0.6, ctx.shape[-1], N_PROTECTED)
+    for name in ["snapkv", "adakv_expected_attention"]:
+        expected = pipe(context, question=question, press=make_press(name, ratio), max_new_tokens=5)["answer"]
+        pressed = kvpress_compress(model, ctx, name, 0.6)
+        out = pressed.generate(model, torch.cat([ctx, q], -1), max_new_tokens=5)
+        ours = tokenizer.decode(out[0, ctx.shape[-1] + q.shape[-1] :], skip_special_tokens=True)
+        assert ours == expected, name

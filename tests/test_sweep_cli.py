@@ -1,0 +1,100 @@
+"""`kvsieve sweep`, `kvsieve report` and `kvsieve map` end to end on a tiny model saved to disk."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import tiny_llama
+from kvsieve.cli import app
+from tokenizer import VOCAB_SIZE, tiny_tokenizer
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tiny_llama(vocab_size=VOCAB_SIZE).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def sweep_args(model_dir, out, samples="2") -> list[str]:
+    return [
+        "sweep",
+        "--model",
+        str(model_dir),
+        "--tasks",
+        "niah_single_1,base",
+        "--policies",
+        "snapkv,random",
+        "--rates",
+        "0.5,0.9",
+        "--samples",
+        samples,
+        "--length",
+        "512",
+        "--modes",
+        "agnostic,aware",
+        "--out",
+        str(out),
+    ]
+
+
+def test_sweep_report_and_resume(model_dir, tmp_path):
+    out = tmp_path / "sweep"
+    result = runner.invoke(app, sweep_args(model_dir, out, samples="1"))
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    # 2 tasks x 1 sample x 2 modes x (full + 2 policies x 2 rates)
+    assert len(rows) == 2 * 2 * 5
+    assert {r["task"] for r in rows} == {"niah_single_1", "base"} and {r["mode"] for r in rows} == {"agnostic", "aware"}
+    assert "Accuracy (%) by rate" in result.output
+    maps = sorted(p.name for p in (out / "maps").glob("*.png"))
+    assert len(maps) == 2 * 2  # each task's first sample, each policy, at the top rate
+
+    # a second sample per task: only the new sample's rows run
+    again = runner.invoke(app, sweep_args(model_dir, out, samples="2"))
+    assert again.exit_code == 0, again.output
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 2 * 2 * 5
+    assert len({(r["sample"], r["mode"], r["policy"], r["rate"]) for r in rows}) == len(rows)
+
+    report = runner.invoke(app, ["report", str(out)])
+    assert report.exit_code == 0, report.output
+    page = (out / "report.html").read_text()
+    for heading in ("Accuracy (%) by rate", "The cliff", "Hallucination vs Global Eviction Ratio", "Eviction maps"):
+        assert heading in page
+    assert page.count("data:image/png;base64") >= 3 + len(maps)
+
+
+def test_map_command(model_dir, tmp_path):
+    path = tmp_path / "map.png"
+    args = ["map", "--model", str(model_dir), "--task", "hops", "--length", "512", "--rate", "0.8", "--out", str(path)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tasks", "nonsense"], "unknown task 'nonsense'"),
+        (["--policies", "nonsense"], "unknown policy 'nonsense'"),
+        (["--rates", "1.5"], "[0, 1)"),
+        (["--modes", "sideways"], "modes are agnostic, aware"),
+    ],
+)
+def test_sweep_bad_input(args, message, tmp_path):
+    result = runner.invoke(app, ["sweep", "--out", str(tmp_path), *args])
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())
+
+
+def test_report_without_results(tmp_path):
+    result = runner.invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "holds no sweep rows" in " ".join(result.output.split())
