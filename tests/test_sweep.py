@@ -213,3 +213,15 @@ def test_sweep_runs_kvpress_side_by_side(lm, tok):
     assert (
         run_sweep(lm, tok, [sample], "snapkv", [0.6]).set_index("policy").loc["snapkv", "output"] == by["snapkv"].output
     )
+
+
+@torch.no_grad()
+def test_reprefill_gives_the_same_rows(lm, tok):
+    samples = [make_sample(0)]
+    once = run_sweep(lm, tok, samples, "snapkv,importance", [0.5, 0.9]).set_index(["policy", "rate"])
+    again = run_sweep(lm, tok, samples, "snapkv,importance", [0.5, 0.9], reprefill=True).set_index(["policy", "rate"])
+    assert list(once.index) == list(again.index)
+    assert (once["output"] == again["output"]).all() and (once["kv_bytes"] == again["kv_bytes"]).all()
+    assert once["gold_logprob"].to_numpy() == pytest.approx(again["gold_logprob"].to_numpy(), rel=1e-6)
+    # every configuration paid its own prefill: no share of one prefill
+    assert (again["wall_seconds"] - again["seconds"] == again["prefill_seconds"]).all()

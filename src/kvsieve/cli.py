@@ -133,6 +133,45 @@ def _generate(model: Any, ids: torch.Tensor, cache: Any, new_tokens: int) -> tor
     return out[0, ids.shape[1] :]
 
 
+def demo_tasks(model: Any, tokenizer: Any, folder: Path) -> list[str]:
+    """The demo's task section: two tasks, question-agnostic and -aware, at rate 0.5; returns Markdown lines."""
+    samples = task_samples("niah_single_2,base", tokenizer, length=1024, n=2, seed=0)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / RESULTS_FILE).unlink(missing_ok=True)  # a fresh run, not a resumed one
+    with progress_bar("tasks: niah_single_2 and routing/base at 1k tokens") as progress:
+        rows = run_sweep(
+            model,
+            tokenizer,
+            samples,
+            "snapkv,expected,random",
+            [0.5],
+            ("agnostic", "aware"),
+            results=folder / RESULTS_FILE,
+            progress=progress,
+        )
+    stats = accuracy_by_rate(rows)
+    stats = stats[(stats["policy"] == "full") | (stats["rate"] > 0)]
+    header = ["mode", "policy", "rate", "accuracy %", "gold log-prob", "GER", "KV MiB"]
+    table = Table(*header, title=f"Tasks: {len(samples)} samples (niah_single_2, routing/base), 1k tokens")
+    lines = ["## Task accuracy (RULER-style needle and a routing probe)", "", "| " + " | ".join(header) + " |"]
+    lines.append("|" + "---|" * len(header))
+    for r in stats.itertuples():
+        cells = [
+            r.mode,
+            r.policy,
+            f"{r.rate:.0%}",
+            f"{100 * r.accuracy:.0f}",
+            f"{r.mean_gold_logprob:.2f}",
+            f"{r.mean_ger:.2f}",
+            f"{r.mean_kv_bytes / 2**20:.2f}",
+        ]
+        table.add_row(*cells)
+        lines.append("| " + " | ".join(cells) + " |")
+    console.print(table)
+    page = write_report(folder)
+    return [*lines, "", f"Full sweep report: [{page.name}](tasks/{page.name})", ""]
+
+
 @app.command()
 def demo(
     out: Annotated[Path, typer.Option(help="report folder")] = Path("reports/demo"),
@@ -161,6 +200,7 @@ def demo(
         console.print(f"{name:>15}: {sizes[name] / 2**20:6.2f} MiB KV after prefill | {answer}")
         lines.append(f"- **{name}** ({sizes[name] / 2**20:.2f} MiB of KV after prefill): {answer}")
 
+    task_lines = demo_tasks(model, tokenizer, out / "tasks")
     report = ppl_experiment(
         None,
         ["importance", "snapkv+adaptive", "expected", "random"],
@@ -182,6 +222,7 @@ def demo(
             "",
             *lines,
             "",
+            *task_lines,
             "## Perplexity change against the full cache",
             "",
             ppl_markdown(report),
@@ -190,7 +231,7 @@ def demo(
         ]
     )
     (out / "report.md").write_text(markdown)
-    console.print(f"wrote {out / 'report.md'}, {out / 'ppl.json'}, {out / 'ppl.png'}")
+    console.print(f"wrote {out / 'report.md'}, {out / 'ppl.json'}, {out / 'ppl.png'}, {out / 'tasks' / 'report.html'}")
 
 
 def _parsed(hint: str, parse: Callable[[], Any]) -> Any:

@@ -1,5 +1,23 @@
 """Offline corpora and task generators."""
 
 from .essays import essay_texts, long_context, sample_documents
+from .routing import ROUTING_FAMILIES, routing_samples
+from .ruler import RULER_TASKS, ruler_samples
+from .sample import EncodedSample, TaskSample, encode
+from .suites import SUITES, resolve_tasks, task_samples
 
-__all__ = ["essay_texts", "long_context", "sample_documents"]
+__all__ = [
+    "ROUTING_FAMILIES",
+    "RULER_TASKS",
+    "SUITES",
+    "EncodedSample",
+    "TaskSample",
+    "encode",
+    "essay_texts",
+    "long_context",
+    "resolve_tasks",
+    "routing_samples",
+    "ruler_samples",
+    "sample_documents",
+    "task_samples",
+]

@@ -20,7 +20,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from .essays import essay_texts
-from .sample import ABSTAIN_ANSWER, TaskSample, encode, token_count
+from .sample import ABSTAIN_ANSWER, TaskSample, prompt_tokens, token_count
 
 ROUTING_FAMILIES: tuple[str, ...] = (
     "base",
@@ -625,11 +625,6 @@ def _assemble(words: list[str], blocks: tuple[_Block, ...]) -> tuple[str, tuple[
 # ----------------------------------------------------------------------------------------------- fitting
 
 
-def _prompt_tokens(sample: TaskSample, tokenizer: PreTrainedTokenizerBase, chat: bool | None) -> int:
-    encoded = encode(sample, tokenizer, chat)
-    return encoded.context_length + int(encoded.question_ids.shape[1])
-
-
 def _sample_with(plan: _Plan, family: str, index: int, words: list[str]) -> TaskSample:
     context, evidence, depths = _assemble(words, plan.blocks)
     evidence_depths = [start / len(context) for start, _ in evidence]
@@ -734,7 +729,7 @@ def routing_samples(
         ends = [0, *(i + 1 for i, w in enumerate(words) if _SENTENCE_END.search(w))]
         sample = _fit_length(
             lambda k, plan=plan, index=index, words=words: _sample_with(plan, family, index, words[:k]),
-            lambda s: _prompt_tokens(s, tokenizer, chat),
+            lambda s: prompt_tokens(s, tokenizer, chat),
             len(words),
             ends,
             length,
@@ -742,7 +737,7 @@ def routing_samples(
         )
         if family == "long_context":
             _check_early(sample)
-        samples.append(replace(sample, meta={**sample.meta, "prompt_tokens": _prompt_tokens(sample, tokenizer, chat)}))
+        samples.append(replace(sample, meta={**sample.meta, "prompt_tokens": prompt_tokens(sample, tokenizer, chat)}))
     return samples
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from . import haystack as hs
-from .sample import TaskSample, encode, token_count
+from .sample import TaskSample, prompt_tokens, token_count
 
 RULER_TASKS: tuple[str, ...] = (
     "niah_single_1",
@@ -154,15 +154,6 @@ def zipf_counts(total: int, vocab_size: int, alpha: float) -> list[int]:
 def english_list(items: Sequence[str]) -> str:
     """RULER's join of several queried keys: ``"a, b, and c"`` (one key stays as it is)."""
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + ", and " + items[-1]
-
-
-def prompt_tokens(sample: TaskSample, tokenizer: PreTrainedTokenizerBase, chat: bool | None) -> int:
-    """Tokens of the whole prompt (context + question) as `encode` produces it.
-
-    The evidence does not change the ids; it is dropped here only to skip mapping spans to tokens.
-    """
-    enc = encode(replace(sample, evidence=()), tokenizer, chat)
-    return enc.context_length + int(enc.question_ids.shape[1])
 
 
 def _distinct(draw: Callable[[], str], n: int, taken: set[str]) -> list[str]:

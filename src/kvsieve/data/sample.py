@@ -7,7 +7,7 @@ ids with the evidence as token positions, using the model's own tokenizer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -156,6 +156,15 @@ def encode(sample: TaskSample, tokenizer: PreTrainedTokenizerBase, chat: bool | 
         evidence_positions=char_spans_to_tokens(context.offset_mapping, spans),
         gold_content_index=next((i for i, t in enumerate(gold) if tokenizer.decode([t]).strip()), 0),
     )
+
+
+def prompt_tokens(sample: TaskSample, tokenizer: PreTrainedTokenizerBase, chat: bool | None = None) -> int:
+    """Tokens of the whole prompt (context + question) as `encode` produces it (for sizing samples).
+
+    The evidence does not change the ids; it is dropped only to skip mapping spans to tokens.
+    """
+    encoded = encode(replace(sample, evidence=()), tokenizer, chat)
+    return encoded.context_length + int(encoded.question_ids.shape[1])
 
 
 def token_count(tokenizer: PreTrainedTokenizerBase, text: str) -> int:

@@ -215,6 +215,7 @@ def run_sweep(
     results: str | Path | None = None,
     chat: bool | None = None,
     diagnostics: bool = True,
+    reprefill: bool = False,
     progress: Progress | None = None,
 ) -> pd.DataFrame:
     """Run every (contender, rate) on every sample in every mode; one row each (see module doc).
@@ -226,6 +227,8 @@ def run_sweep(
         results: a JSONL file; rows it already holds are not run again, new rows are appended.
         chat: wrap prompts in the tokenizer's chat template (default: when it has one).
         diagnostics: add the routing diagnostics (GER, evidence recall, head consensus) to each row.
+        reprefill: prefill again for every configuration instead of once per (sample, mode), as a
+            library without "prefill once, sieve many" must (for timing; the rows are the same).
 
     Returns:
         Every row of the sweep (old and new) as a DataFrame.
@@ -261,8 +264,12 @@ def run_sweep(
             tick = time.perf_counter()
             prefill = observe_prefill(model, prefilled, **observe)
             prefill_seconds = time.perf_counter() - tick
-            shared = sum(c.library == "kvsieve" for c, _ in todo)  # configurations sharing this prefill
-            for contender, rate in todo:
+            shared = 1 if reprefill else sum(c.library == "kvsieve" for c, _ in todo)  # sharing this prefill
+            for i, (contender, rate) in enumerate(todo):
+                if reprefill and i:
+                    tick = time.perf_counter()
+                    prefill = observe_prefill(model, prefilled, **observe)
+                    prefill_seconds = time.perf_counter() - tick
                 row = {
                     "sample": key,
                     "suite": sample.suite,
