@@ -2,11 +2,12 @@
 
 RULER tasks at 2k tokens, 10 samples each, question-agnostic; the routing suite (7 families,
 10 samples each, 1k tokens) question-agnostic and question-aware. Full cache and the main
-policies at rates 0.25/0.5/0.75/0.9 (0.25 locates the cliff), one prefill per (sample, mode). Raw rows go to
-results/ruler_table/results.jsonl (a rerun resumes), with an HTML report next to them; the
-summary tables, JSON and figures go to benchmarks/results/.
+policies at rates 0.5/0.75/0.9, one prefill per (sample, mode). Raw rows go to
+results/ruler_table/<suite>/results.jsonl (a rerun resumes; rows of other policies or rates there are
+left out of the tables), with an HTML report per suite next to them; the summary tables, JSON
+and figures go to benchmarks/results/. The two suites can run as two processes (`--suites`).
 
-    python benchmarks/ruler_table.py [--samples 10] [--length 2048] [--routing-length 1024]
+    python benchmarks/ruler_table.py [--suites ruler,routing] [--samples 10] [--length 2048] [--routing-length 1024]
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from kvsieve import load_model
 from kvsieve.cli import progress_bar
 from kvsieve.data.suites import task_samples
 from kvsieve.eval.analysis import accuracy_by_rate, cliff, hallucination_vs_ger
-from kvsieve.eval.sweep import run_sweep
+from kvsieve.eval.contenders import parse_contenders
+from kvsieve.eval.sweep import run_sweep, sample_key
 from kvsieve.report.figures import plot_accuracy_vs_rate, plot_hallucination_vs_ger
 from kvsieve.report.html import write_report
 
@@ -56,59 +58,63 @@ def markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def run_suite(model, tokenizer, suite: str, length: int, modes: tuple[str, ...], args, console: Console) -> None:
+    """Sweep one suite, keep the requested configurations, write its table, cliff, figures and report."""
+    rates = [float(r) for r in args.rates.split(",")]
+    samples = task_samples(suite, tokenizer, length=length, n=args.samples, seed=args.seed)
+    folder = RAW / suite
+    folder.mkdir(parents=True, exist_ok=True)
+    with progress_bar(f"{suite} at {length} tokens") as progress:
+        rows = run_sweep(
+            model, tokenizer, samples, args.policies, rates, modes, results=folder / "results.jsonl", progress=progress
+        )
+    wanted = {(c.name, r) for c in parse_contenders(args.policies) for r in ([0.0] if c.is_full else rates)}
+    rows = rows[[(p, r) in wanted for p, r in zip(rows["policy"], rows["rate"], strict=True)]]
+    rows = rows[rows["sample"].isin({sample_key(s) for s in samples}) & rows["mode"].isin(modes)]
+    table = task_table(rows)
+    console.print(f"[bold]{suite}[/bold]: accuracy (%) at {length} tokens, {args.samples} samples per task")
+    console.print(table.round(1).to_string(index=False))
+    (RESULTS / f"ruler_table_{suite}.md").write_text(markdown(table) + "\n")
+    halluc = hallucination_vs_ger(rows)
+    summary = {
+        "suite": suite,
+        "length": length,
+        "modes": list(modes),
+        "samples_per_task": args.samples,
+        "policies": args.policies,
+        "rates": rates,
+        "table": json.loads(table.to_json(orient="records")),
+        "cliff": json.loads(cliff(rows).to_json(orient="records")),
+        "hallucination_vs_ger": {k: halluc[k] for k in ("r_points", "r_samples", "n_points", "n_samples", "which")},
+        "seconds": {
+            "prefill": float(rows.groupby(["sample", "mode"])["prefill_seconds"].first().sum()),
+            "configurations": float(rows["seconds"].sum()),
+        },
+    }
+    (RESULTS / f"ruler_table_{suite}.json").write_text(json.dumps(summary, indent=2))
+    plot_accuracy_vs_rate(accuracy_by_rate(rows), RESULTS / f"ruler_table_{suite}.png", title=f"{suite} at {length}")
+    plot_hallucination_vs_ger(halluc["points"], halluc["r_points"], RESULTS / f"ruler_table_{suite}_ger.png")
+    console.print(f"hallucination vs GER: r_points={halluc['r_points']:.3f}, r_samples={halluc['r_samples']:.3f}")
+    console.print(f"wrote {RESULTS}/ruler_table_{suite}.{{json,md,png}} and {write_report(folder)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suites", default="ruler,routing")
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--routing-length", type=int, default=1024)
-    parser.add_argument("--policies", default="snapkv,expected,importance,random")
-    parser.add_argument("--rates", default="0.25,0.5,0.75,0.9")
+    parser.add_argument("--policies", default="snapkv,expected,random")
+    parser.add_argument("--rates", default="0.5,0.75,0.9")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     console = Console(width=220)
-    rates = [float(r) for r in args.rates.split(",")]
     model, tokenizer = load_model()
-    RAW.mkdir(parents=True, exist_ok=True)
-    runs = [
-        ("ruler", "ruler", args.length, ("agnostic",)),
-        ("routing", "routing", args.routing_length, ("agnostic", "aware")),
-    ]
-    frames, summary = [], {"samples_per_task": args.samples, "policies": args.policies, "rates": rates}
-    for suite, tasks, length, modes in runs:
-        samples = task_samples(tasks, tokenizer, length=length, n=args.samples, seed=args.seed)
-        with progress_bar(f"{suite} at {length} tokens") as progress:
-            rows = run_sweep(
-                model, tokenizer, samples, args.policies, rates, modes, results=RAW / "results.jsonl", progress=progress
-            )
-        rows = rows[rows["suite"] == suite]
-        frames.append(rows)
-        table = task_table(rows)
-        console.print(f"[bold]{suite}[/bold]: accuracy (%) at {length} tokens, {args.samples} samples per task")
-        console.print(table.round(1).to_string(index=False))
-        (RESULTS / f"ruler_table_{suite}.md").write_text(markdown(table) + "\n")
-        summary[suite] = {
-            "length": length,
-            "modes": list(modes),
-            "table": json.loads(table.to_json(orient="records")),
-            "cliff": json.loads(cliff(rows).to_json(orient="records")),
-            "seconds": {
-                "prefill": float(rows.groupby(["sample", "mode"])["prefill_seconds"].first().sum()),
-                "configurations": float(rows["seconds"].sum()),
-            },
-        }
-        plot_accuracy_vs_rate(
-            accuracy_by_rate(rows), RESULTS / f"ruler_table_{suite}.png", title=f"{suite} at {length}"
-        )
-    rows = pd.concat(frames, ignore_index=True)
-    halluc = hallucination_vs_ger(rows)
-    summary["hallucination_vs_ger"] = {
-        k: halluc[k] for k in ("r_points", "r_samples", "n_points", "n_samples", "which")
-    }
-    plot_hallucination_vs_ger(halluc["points"], halluc["r_points"], RESULTS / "ruler_table_hallucination_vs_ger.png")
-    console.print(f"hallucination vs GER: r_points={halluc['r_points']:.3f}, r_samples={halluc['r_samples']:.3f}")
-    (RESULTS / "ruler_table.json").write_text(json.dumps(summary, indent=2))
-    page = write_report(RAW)
-    console.print(f"wrote {RESULTS}/ruler_table.json, ruler_table_*.md/png and {page}")
+    RESULTS.mkdir(exist_ok=True)
+    plans = {"ruler": (args.length, ("agnostic",)), "routing": (args.routing_length, ("agnostic", "aware"))}
+    for suite in args.suites.split(","):
+        length, modes = plans[suite]
+        run_suite(model, tokenizer, suite, length, modes, args, console)
 
 
 if __name__ == "__main__":
