@@ -28,7 +28,7 @@ from .eval.perplexity import Progress as ProgressCallback
 from .eval.sweep import MODES, run_sweep, sample_survival
 from .models import load_model
 from .observe import observe_prefill
-from .policy import PolicyError, check_rate, make_policy, split_policies
+from .policy import check_rate, make_policy, split_policies
 from .report import plot_ppl, ppl_markdown, ppl_table
 from .report.figures import plot_eviction_map
 from .report.html import MANIFEST_FILE, RESULTS_FILE, accuracy_pivot, write_report
@@ -43,6 +43,14 @@ def _split(text: str, cast: type) -> list:
         return [cast(part.strip()) for part in text.split(",") if part.strip()]
     except ValueError as err:
         raise typer.BadParameter(f"cannot read {text!r} as a comma-separated list: {err}") from None
+
+
+def _parsed(hint: str, parse: Callable[[], Any]) -> Any:
+    """Run a parser; its ValueError becomes a clean command-line error naming the option."""
+    try:
+        return parse()
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint=hint) from None
 
 
 @contextmanager
@@ -71,16 +79,8 @@ def ppl_experiment(
     model_and_tokenizer: tuple[Any, Any] | None = None,
 ) -> dict[str, Any]:
     """Load, sample documents, run the protocol with a progress bar, print the table; returns the JSON dict."""
-    try:
-        for p in policies:
-            make_policy(p)
-    except PolicyError as err:
-        raise typer.BadParameter(str(err), param_hint="--policies") from None
-    try:
-        for r in rates:
-            check_rate(r)
-    except PolicyError as err:
-        raise typer.BadParameter(str(err), param_hint="--rates") from None
+    _parsed("--policies", lambda: [make_policy(p) for p in policies])
+    _parsed("--rates", lambda: [check_rate(r) for r in rates])
     model, tokenizer = model_and_tokenizer or load_model(model_name)
     documents = sample_documents(tokenizer, docs, prefix + continuation + 1, seed=seed)
     with progress_bar("prefill once, sieve many") as progress:
@@ -232,14 +232,6 @@ def demo(
     )
     (out / "report.md").write_text(markdown)
     console.print(f"wrote {out / 'report.md'}, {out / 'ppl.json'}, {out / 'ppl.png'}, {out / 'tasks' / 'report.html'}")
-
-
-def _parsed(hint: str, parse: Callable[[], Any]) -> Any:
-    """Run a parser; its ValueError becomes a clean command-line error naming the option."""
-    try:
-        return parse()
-    except ValueError as err:
-        raise typer.BadParameter(str(err), param_hint=hint) from None
 
 
 def _map_path(folder: Path, sample: TaskSample, mode: str, contender: Contender, rate: float) -> Path:
