@@ -11,7 +11,7 @@ from conftest import tiny_llama
 from kvsieve.cli import app
 from tokenizer import VOCAB_SIZE, tiny_tokenizer
 
-runner = CliRunner()
+runner = CliRunner(env={"COLUMNS": "200"})  # rich must not wrap an error message inside its box
 
 
 @pytest.fixture(scope="module")

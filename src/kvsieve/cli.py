@@ -25,7 +25,7 @@ from .eval import run_ppl
 from .eval.analysis import accuracy_by_rate
 from .eval.contenders import Contender, parse_contenders
 from .eval.perplexity import Progress as ProgressCallback
-from .eval.sweep import MODES, run_sweep, sample_survival
+from .eval.sweep import check_modes, run_sweep, sample_survival
 from .models import load_model
 from .observe import observe_prefill
 from .policy import check_rate, make_policy, split_policies
@@ -269,9 +269,7 @@ def sweep(
     task_names = _parsed("--tasks", lambda: resolve_tasks(tasks))
     contenders = _parsed("--policies", lambda: parse_contenders(policies))
     rate_list = _parsed("--rates", lambda: [check_rate(r) for r in _split(rates, float)])
-    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
-    if not mode_list or any(m not in MODES for m in mode_list):
-        raise typer.BadParameter(f"modes are {', '.join(MODES)}, got {modes!r}", param_hint="--modes")
+    mode_list = _parsed("--modes", lambda: check_modes([m.strip() for m in modes.split(",") if m.strip()]))
     lm, tokenizer = load_model(model)
     items = task_samples(task_names, tokenizer, length=length, n=samples, seed=seed, chat=chat)
     out.mkdir(parents=True, exist_ok=True)
@@ -339,8 +337,7 @@ def eviction_map(
     names = _parsed("--task", lambda: resolve_tasks(task))
     contender = _parsed("--policy", lambda: parse_contenders(policy)[-1])
     _parsed("--rate", lambda: check_rate(rate))
-    if mode not in MODES:
-        raise typer.BadParameter(f"modes are {', '.join(MODES)}, got {mode!r}", param_hint="--mode")
+    _parsed("--mode", lambda: check_modes([mode]))
     lm, tokenizer = load_model(model)
     sample = task_samples(names, tokenizer, length=length, n=index + 1, seed=seed)[index]
     path = write_eviction_map(lm, tokenizer, sample, contender, rate, mode, out)

@@ -42,6 +42,16 @@ MODES = ("agnostic", "aware")
 Progress = Callable[[int, int], None]
 
 
+def check_modes(modes: Sequence[str]) -> list[str]:
+    """The modes, each one of `MODES`, or a clear error."""
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; modes are {', '.join(MODES)}")
+    if not modes:
+        raise ValueError(f"no mode given; modes are {', '.join(MODES)}")
+    return list(modes)
+
+
 def sample_key(sample: TaskSample) -> str:
     """A short stable id of a sample's text (resuming matches rows by it)."""
     digest = hashlib.sha1(f"{sample.task}\0{sample.context}\0{sample.question}".encode()).hexdigest()
@@ -78,7 +88,7 @@ def split_prompt(encoded: EncodedSample, mode: str) -> tuple[torch.Tensor, torch
 
 
 def _configurations(contenders: Sequence[Contender], rates: Sequence[float]) -> list[tuple[Contender, float]]:
-    return [(c, 0.0) if c.is_full else (c, rate) for c in contenders for rate in ([0.0] if c.is_full else rates)]
+    return [(c, rate) for c in contenders for rate in ([0.0] if c.is_full else rates)]
 
 
 @dataclass
@@ -235,9 +245,7 @@ def run_sweep(
     """
     contenders = parse_contenders(list(policies) if not isinstance(policies, str) else policies)
     rates = [check_rate(r) for r in rates]
-    for mode in modes:
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+    modes = check_modes(modes)
     path = Path(results) if results is not None else None
     rows = read_rows(path) if path else []
     if path and path.exists() and not path.read_bytes().endswith(b"\n") and path.stat().st_size:
