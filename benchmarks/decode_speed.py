@@ -1,19 +1,22 @@
 """One decode step with a compressed cache against one with the full cache (default model, CPU).
 
-At each context length: one observed prefill, then three caches of the same context: the
-model's own full `DynamicCache` (SDPA attention) and kvsieve caches at rate 0.8 with the
-`uniform` and `adaptive` allocators. Decode steps of the three are interleaved (full,
-uniform, adaptive, full, ...) so drift in machine load hits all three alike; we report the
-median step time of each and the ratio to the full-cache step, next to the bound set by
-bytes read per step: (weights + kept KV) / (weights + full KV).
+At each context length: one observed prefill, then caches of the same context: the model's
+own full `DynamicCache` (SDPA attention) and kvsieve caches at rate 0.8 with the `uniform`,
+`adaptive` and `global` allocators. Decode steps are interleaved (full, uniform, adaptive,
+global, full, ...) so drift in machine load hits all alike; we report the median step time of
+each and the ratio to the full-cache step, next to the bound set by bytes read per step:
+(weights + kept KV) / (weights + full KV).
 
     python benchmarks/decode_speed.py [--lengths 2048,4096,8192] [--steps 40]
+    python benchmarks/decode_speed.py --device cuda --dtype bfloat16 --random-weights DIR   # on a GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import operator
 import statistics
 import time
 from pathlib import Path
@@ -21,21 +24,22 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
-from transformers import DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from kvsieve import SievedCache, load_model, make_policy, observe_prefill
+from kvsieve import SievedCache, load_model, make_policy, observe_prefill, sieve_attention
+from kvsieve.attention import attention_implementation
 from kvsieve.data import long_context
 
 RESULTS = Path(__file__).parent / "results"
+ALLOCATORS = ("uniform", "adaptive", "global")
 
 
 def dynamic_cache_from(cache: SievedCache) -> DynamicCache:
     """The same full cache as a plain transformers `DynamicCache` (every head holds every entry)."""
     dense = DynamicCache()
     for layer_idx, layer in enumerate(cache.layers):
-        keys = torch.stack([k[0] for k in layer.head_keys])[None]
-        values = torch.stack([v[0] for v in layer.head_values])[None]
-        dense.update(keys.clone(), values.clone(), layer_idx)
+        view = layer.segments.padded()
+        dense.update(view.keys.clone(), view.values.clone(), layer_idx)
     return dense
 
 
@@ -43,12 +47,19 @@ def dynamic_nbytes(cache: DynamicCache) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
 
 
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 @torch.no_grad()
-def decode_step(model: torch.nn.Module, cache: object, token: torch.Tensor) -> float:
+def decode_step(model: torch.nn.Module, cache: object, token: torch.Tensor, device: str) -> float:
     """Seconds for one forward of one token at its true position."""
-    position = torch.tensor([cache.get_seq_length()])
+    position = torch.tensor([cache.get_seq_length()], device=token.device)
+    synchronize(device)
     tick = time.perf_counter()
     model(input_ids=token, past_key_values=cache, cache_position=position, use_cache=True)
+    synchronize(device)
     return time.perf_counter() - tick
 
 
@@ -59,30 +70,42 @@ def main() -> None:
     parser.add_argument("--scorer", default="snapkv")
     parser.add_argument("--steps", type=int, default=40, help="timed decode steps per cache")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--random-weights", metavar="CONFIG_DIR", help="a model folder's config.json: its shape, random weights"
+    )
     args = parser.parse_args()
     console = Console()
     lengths = [int(x) for x in args.lengths.split(",")]
-    model, tokenizer = load_model()
+    dtype, needed = getattr(torch, args.dtype), max(lengths) + args.warmup + args.steps
+    if args.random_weights:  # the default model's shape with random weights: the same bytes and calls per step
+        torch.manual_seed(0)
+        config = AutoConfig.from_pretrained(args.random_weights)
+        model = AutoModelForCausalLM.from_config(config).to(device=args.device, dtype=dtype).eval()
+        ids = torch.randint(0, config.vocab_size, (1, needed), generator=torch.Generator().manual_seed(0))
+    else:
+        model, tokenizer = load_model(dtype=dtype)
+        ids = long_context(tokenizer, needed)
+    model, ids = model.to(args.device), ids.to(args.device)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    ids = long_context(tokenizer, max(lengths) + args.warmup + args.steps)
     rows = []
     for length in lengths:
-        prefill = observe_prefill(model, ids[:, :length], accumulate=False)
+        policies = {allocator: make_policy(args.scorer, budget=allocator) for allocator in ALLOCATORS}
+        needs = functools.reduce(operator.or_, (p.needs for p in policies.values()))
+        prefill = observe_prefill(model, ids[:, :length], needs)
         caches: dict[str, object] = {"full": dynamic_cache_from(prefill.cache)}
-        for allocator in ("uniform", "adaptive"):
-            policy = make_policy(args.scorer, budget=allocator)
-            caches[allocator] = prefill.cache.keep(policy.keep_indices(prefill.observations, args.rate))
-        kv_bytes = {"full": dynamic_nbytes(caches["full"])} | {
-            name: caches[name].nbytes() for name in ("uniform", "adaptive")
-        }
+        for allocator, policy in policies.items():
+            caches[allocator] = prefill.cache.keep([policy.keep_indices(prefill.observations[0], args.rate)])
+        kv_bytes = {"full": dynamic_nbytes(caches["full"])} | {name: caches[name].nbytes() for name in ALLOCATORS}
         del prefill
         times: dict[str, list[float]] = {name: [] for name in caches}
         for step in range(args.warmup + args.steps):
             token = ids[:, length + step : length + step + 1]
             for name, cache in caches.items():
                 # the full cache runs the model's own SDPA path; ours runs sieve attention
-                model.set_attn_implementation("sdpa" if name == "full" else "sieve")
-                seconds = decode_step(model, cache, token)
+                with attention_implementation(model, "sdpa") if name == "full" else sieve_attention(model):
+                    seconds = decode_step(model, cache, token, args.device)
                 if step >= args.warmup:
                     times[name].append(seconds)
         full_ms = statistics.median(times["full"]) * 1e3
@@ -109,7 +132,8 @@ def main() -> None:
         "ratio vs full",
         "bytes bound",
         "ratio / bound",
-        title=f"decode step, {args.scorer} at rate {args.rate}, {args.steps} steps interleaved, CPU float32",
+        title=f"decode step, {args.scorer} at rate {args.rate}, {args.steps} steps interleaved, "
+        f"{args.device} {args.dtype}",
     )
     for r in rows:
         table.add_row(
@@ -124,16 +148,18 @@ def main() -> None:
     console.print(table)
     RESULTS.mkdir(exist_ok=True)
     meta = {
-        "model": "SmolLM2-135M-Instruct (GGUF, dequantized to float32)",
-        "device": "cpu",
+        "model": f"SmolLM2-135M-Instruct (GGUF, dequantized to {args.dtype})"
+        + (", random weights of its shape" if args.random_weights else ""),
+        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
         "threads": torch.get_num_threads(),
         "scorer": args.scorer,
         "rate": args.rate,
         "steps": args.steps,
         "weights_bytes": weights,
     }
-    (RESULTS / "decode_speed.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
-    console.print(f"wrote {RESULTS / 'decode_speed.json'}")
+    path = RESULTS / ("decode_speed.json" if args.device == "cpu" else "decode_speed_cuda.json")
+    path.write_text(json.dumps({**meta, "rows": rows}, indent=2))
+    console.print(f"wrote {path}")
 
 
 if __name__ == "__main__":

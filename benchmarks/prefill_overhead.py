@@ -1,10 +1,10 @@
 """Prefill time with sieve attention and statistics, per scorer, over the model's own SDPA prefill.
 
-A scorer's cost at prefill is the observed prefill it needs (fused SDPA plus the last
-queries for window scorers; a chunked, materialised softmax for scorers that read the
-attention accumulated over all queries) plus computing its scores and keep indices. Each
-repeat runs the SDPA prefill and both kinds of observed prefill back to back; scoring is
-timed on the observations of the last repeat. Medians over repeats.
+A scorer's cost at prefill is the observed prefill it needs (exactly what it declares in
+`needs`: fused SDPA plus the last queries for window scorers; a chunked, materialised softmax
+for scorers that read the attention accumulated over all queries) plus computing its scores
+and keep indices. Each repeat runs the SDPA prefill and every distinct observed prefill back to
+back; scoring is timed on the observations of the last repeat. Medians over repeats.
 
     python benchmarks/prefill_overhead.py [--lengths 2048,4096] [--repeats 3]
 """
@@ -54,18 +54,19 @@ def main() -> None:
     rows = []
     for length in lengths:
         context = ids[:, :length]
-        runs: dict[str, list[float]] = {"sdpa": [], "window": [], "accumulate": []}
+        needs = {policy.name: policy.needs for policy in policies}
+        runs: dict[object, list[float]] = {"sdpa": []} | {n: [] for n in set(needs.values())}
         observed = {}
         for _ in range(args.repeats):
             runs["sdpa"].append(timed(sdpa_prefill, model, context)[0])
-            for kind in ("window", "accumulate"):
-                seconds, observed[kind] = timed(observe_prefill, model, context, accumulate=kind == "accumulate")
-                runs[kind].append(seconds)
+            for need in set(needs.values()):
+                seconds, observed[need] = timed(observe_prefill, model, context, need)
+                runs[need].append(seconds)
         sdpa = statistics.median(runs["sdpa"])
         for policy in policies:
-            kind = "accumulate" if policy.needs_accumulated else "window"
-            prefill = statistics.median(runs[kind])
-            scoring, _ = timed(policy.keep_indices, observed[kind].observations, args.rate)
+            kind = "accumulate" if policy.needs.accumulated else "window"
+            prefill = statistics.median(runs[policy.needs])
+            scoring, _ = timed(policy.keep_indices, observed[policy.needs].observations[0], args.rate)
             rows.append(
                 {
                     "context": length,

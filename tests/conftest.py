@@ -42,20 +42,20 @@ def ids() -> torch.Tensor:
 _ALLOWED: dict[int, list[torch.Tensor]] = {}
 
 
-def _masked_reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _masked_reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Full dense cache, float64, causal, and per-(layer, kv-head) masking of dropped positions."""
     _, n_heads, q_len, _ = query.shape
     n_kv, kv_len = key.shape[1], key.shape[2]
     group = n_heads // n_kv
-    key_pos = torch.arange(kv_len)
-    query_pos = torch.arange(kv_len - q_len, kv_len)
+    key_pos = torch.arange(kv_len, device=query.device)
+    query_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)
     out = torch.empty_like(query)
     for h in range(n_heads):
         kv_h = h // group
         scores = (query[0, h].double() @ key[0, kv_h].double().T) * scaling
         allowed = key_pos[None, :] <= query_pos[:, None]
         if module.layer_idx in _ALLOWED:
-            allowed = allowed & _ALLOWED[module.layer_idx][kv_h][:kv_len][None, :]
+            allowed = allowed & _ALLOWED[module.layer_idx][kv_h][:kv_len].to(query.device)[None, :]
         scores = scores.masked_fill(~allowed, float("-inf"))
         out[0, h] = (torch.softmax(scores, -1) @ value[0, kv_h].double()).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
@@ -76,7 +76,7 @@ class MaskedReference:
             for positions in heads:
                 allowed = torch.ones(4096, dtype=torch.bool)
                 allowed[: self.prefix_len] = False
-                allowed[positions] = True
+                allowed[positions.cpu()] = True
                 masks.append(allowed)
             self.allowed[layer] = masks
         previous = model.config._attn_implementation

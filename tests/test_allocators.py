@@ -19,26 +19,28 @@ from kvsieve.allocators import (
     uniform_keep,
     zscore,
 )
+from kvsieve.segments import BLOCK
 
 SPECS = ["uniform", "pyramid", "adaptive", "global", "global:calibration=zscore", "global:safeguard=0.5"]
 
 
 def _scores(layers: int = 4, heads: int = 3, n: int = 50, seed: int = 0) -> tuple[list, list]:
+    """Scores `[heads, n]` per layer and the per-head evictable masks (all but the first 2 and last 5 entries)."""
     gen = torch.Generator().manual_seed(seed)
     scores = [torch.rand(heads, n, generator=gen) ** (1 + 3 * layer) for layer in range(layers)]
-    protected = [torch.zeros(n, dtype=torch.bool) for _ in range(layers)]
-    for mask in protected:
-        mask[:2] = mask[-5:] = True
-    return scores, protected
+    protected = torch.zeros(n, dtype=torch.bool)
+    protected[:2] = protected[-5:] = True
+    evictable = [(~protected).expand(heads, -1) for _ in range(layers)]
+    return scores, evictable
 
 
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("rate", [0.0, 0.3, 0.8, 0.95])
 def test_every_allocator_keeps_the_uniform_total(spec, rate):
     """The rate is the rate: every allocator keeps exactly as many entries as uniform, within each head's range."""
-    scores, protected = _scores()
+    scores, evictable = _scores()
     allocator = kvsieve.make_policy(f"random+{spec}").allocator
-    counts = allocator.counts(scores, protected, rate)
+    counts = allocator.counts(scores, evictable, rate)
     n_evictable = 43
     assert sum(map(sum, counts)) == 4 * 3 * uniform_keep(n_evictable, rate)
     assert all(0 <= c <= n_evictable for layer in counts for c in layer)
@@ -49,15 +51,15 @@ def test_pyramid_decreases_with_depth_and_follows_beta():
     assert budgets == sorted(budgets, reverse=True)
     assert budgets[-1] == pytest.approx(2.0) and budgets[0] == pytest.approx(78.0)
     assert sum(budgets) / 5 == pytest.approx(40.0)
-    scores, protected = _scores(layers=5, n=200)
-    counts = Pyramid(beta=20).counts(scores, protected, 0.8)
+    scores, evictable = _scores(layers=5, n=200)
+    counts = Pyramid(beta=20).counts(scores, evictable, 0.8)
     per_layer = [sum(layer) for layer in counts]
     assert per_layer == sorted(per_layer, reverse=True) and per_layer[0] > 5 * per_layer[-1]
 
 
 def test_pyramid_clips_at_the_evictable_entries_and_redistributes():
-    scores, protected = _scores(layers=4, n=50)
-    counts = Pyramid().counts(scores, protected, 0.1)  # layer 0's share would exceed its 43 evictable entries
+    scores, evictable = _scores(layers=4, n=50)
+    counts = Pyramid().counts(scores, evictable, 0.1)  # layer 0's share would exceed its 43 evictable entries
     assert max(max(layer) for layer in counts) == 43
     assert sum(map(sum, counts)) == 12 * uniform_keep(43, 0.1)
 
@@ -82,11 +84,11 @@ def test_adaptive_keeps_layer_totals_and_favours_concentrated_heads():
     strong = torch.linspace(1.0, 2.0, n)
     weak = torch.linspace(0.0, 0.5, n)
     scores = [torch.stack([strong, weak])]
-    protected = [torch.zeros(n, dtype=torch.bool)]
-    counts = Adaptive(safeguard=0.2).counts(scores, protected, 0.5)
+    evictable = [torch.ones(2, n, dtype=torch.bool)]
+    counts = Adaptive(safeguard=0.2).counts(scores, evictable, 0.5)
     assert sum(counts[0]) == 2 * 30
     assert counts[0] == [54, 6]  # floor = floor(0.2 * 30) = 6 for the weak head
-    assert Adaptive(safeguard=1.0).counts(scores, protected, 0.5) == [[30, 30]]
+    assert Adaptive(safeguard=1.0).counts(scores, evictable, 0.5) == [[30, 30]]
 
 
 def test_global_moves_budget_across_layers_on_calibrated_scores():
@@ -95,10 +97,10 @@ def test_global_moves_budget_across_layers_on_calibrated_scores():
     peaked = torch.full((2, n), 1e-4)
     peaked[:, 10:14] = 1.0
     flat = torch.rand(2, n, generator=torch.Generator().manual_seed(0)) + 1.0
-    scores, protected = [peaked, flat], [torch.zeros(n, dtype=torch.bool)] * 2
-    counts = Global().counts(scores, protected, 0.5)
+    scores, evictable = [peaked, flat], [torch.ones(2, n, dtype=torch.bool)] * 2
+    counts = Global().counts(scores, evictable, 0.5)
     assert sum(counts[0]) < sum(counts[1]) and sum(map(sum, counts)) == 4 * 40
-    floored = Global(safeguard=0.5).counts(scores, protected, 0.5)
+    floored = Global(safeguard=0.5).counts(scores, evictable, 0.5)
     assert min(min(layer) for layer in floored) >= 20
 
 
@@ -129,7 +131,8 @@ def test_ragged_decoding_equals_masked_full_cache(masked_reference, scorer, spec
     prefix, cont = ids[:, :90], ids[:, 90:]
     cache = kvsieve.compress(model, prefix, f"{scorer}+{spec}", 0.8, sliding_window=8)
     kept = [cache.kept_positions(layer) for layer in range(3)]
-    ours = model(cont, past_key_values=cache).logits
+    with kvsieve.sieve_attention(model):
+        ours = model(cont, past_key_values=cache).logits
     with masked_reference(model, prefix, kept) as ref:
         expected = model(cont, past_key_values=ref.cache).logits
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
@@ -145,17 +148,18 @@ def test_ragged_generate_equals_masked_full_cache(masked_reference, spec):
     assert len({n for layer in cache.stored_lengths() for n in layer}) > 1, "expected a ragged cache"
     kept = [cache.kept_positions(layer) for layer in range(3)]
     gen = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
-    ours = model.generate(ids, past_key_values=cache, **gen)
+    with kvsieve.sieve_attention(model):
+        ours = model.generate(ids, past_key_values=cache, **gen)
     with masked_reference(model, ids[:, :99], kept) as ref:
         expected = model.generate(ids, past_key_values=ref.cache, **gen)
     assert torch.equal(ours, expected)
 
 
 def _allocated_bytes(cache: kvsieve.SievedCache) -> int:
-    """Bytes of the distinct storages behind the cache's key and value tensors."""
+    """Bytes of the distinct storages behind every layer's flat key and value buffers."""
     storages = {}
     for layer in cache.layers:
-        for tensor in (*layer.head_keys, *layer.head_values):
+        for tensor in (layer.segments.keys, layer.segments.values):
             storage = tensor.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
@@ -163,23 +167,28 @@ def _allocated_bytes(cache: kvsieve.SievedCache) -> int:
 
 @pytest.mark.parametrize("spec", ["snapkv+adaptive", "snapkv+global", "knorm+global:calibration=zscore"])
 def test_ragged_cache_really_holds_only_the_kept_entries(spec):
-    """`nbytes()` and the allocated storage both match the kept entries (within 2%), unlike masking."""
+    """`nbytes()` and the allocated storage both match the kept entries (within 2%), unlike masking.
+
+    Decoding appends into free room that grows by 2% of a segment (at least one block) at a time.
+    """
     model = tiny_llama(seed=2, **GQA)
     ids = torch.randint(0, 128, (1, 400), generator=torch.Generator().manual_seed(3))
     full = kvsieve.compress(model, ids, "snapkv", 0.0)
     cache = kvsieve.compress(model, ids, spec, 0.8)
     kept_entries = sum(map(sum, cache.stored_lengths()))
-    entry_bytes = 2 * cache.layers[0].head_keys[0].shape[-1] * 4  # key + value, float32
+    entry_bytes = 2 * cache.layers[0].segments.keys.shape[-1] * 4  # key + value, float32
     assert len({n for layer in cache.stored_lengths() for n in layer}) > 1
     assert cache.nbytes() == kept_entries * entry_bytes
     assert abs(_allocated_bytes(cache) - kept_entries * entry_bytes) <= 0.02 * kept_entries * entry_bytes
     assert _allocated_bytes(cache) < 0.35 * _allocated_bytes(full)
     assert cache.allocated_nbytes() == _allocated_bytes(cache)
 
-    # decoding appends in place; storage grows by at most 2% (plus one entry of rounding per head)
-    with torch.no_grad():
+    # decoding appends in place; storage grows by at most 2% plus one block of room per (layer, kv-head)
+    # and one null (padding) entry per layer
+    with torch.no_grad(), kvsieve.sieve_attention(model):
         for step in range(30):
             model(ids[:, 399 - step : 400 - step], past_key_values=cache, cache_position=torch.tensor([400 + step]))
     kept_entries = sum(map(sum, cache.stored_lengths()))
     assert cache.nbytes() == kept_entries * entry_bytes
-    assert _allocated_bytes(cache) <= 1.02 * cache.nbytes() + 9 * entry_bytes
+    assert cache.allocated_nbytes() == _allocated_bytes(cache)
+    assert _allocated_bytes(cache) <= 1.02 * cache.nbytes() + (9 * BLOCK + 3) * entry_bytes

@@ -18,9 +18,11 @@ def test_apply_compresses_each_prompt_and_matches_compress(model, ids):
         assert isinstance(cache, kvsieve.SievedCache)
         n_evictable = 119 - 1 - 32
         assert cache.stored_lengths()[0] == [119 - round(0.8 * n_evictable) + 6] * 2
-    assert "generate" not in model.__dict__
+    assert "generate" not in model.__dict__, "remove() gives the model its own generate back"
+    assert model.config._attn_implementation == "sdpa", "and its own attention"
     manual = kvsieve.compress(model, ids[:, :-1], "importance", 0.8)
-    assert torch.equal(model.generate(ids, past_key_values=manual, **GEN), out)
+    with kvsieve.sieve_attention(model):
+        assert torch.equal(model.generate(ids, past_key_values=manual, **GEN), out)
 
 
 @torch.no_grad()
@@ -49,7 +51,8 @@ def test_apply_with_a_budget_allocator(model, ids):
         ragged = handle.last_cache.stored_lengths()
     manual = kvsieve.compress(model, ids[:, :-1], "snapkv", 0.8, budget="adaptive")
     assert [[n + GEN["max_new_tokens"] for n in layer] for layer in manual.stored_lengths()] == ragged
-    assert torch.equal(model.generate(ids, past_key_values=manual, **GEN), out)
+    with kvsieve.sieve_attention(model):
+        assert torch.equal(model.generate(ids, past_key_values=manual, **GEN), out)
 
 
 @torch.no_grad()
@@ -61,10 +64,10 @@ def test_question_aware_compression(model, ids, masked_reference):
     assert aware.get_seq_length() == 110 and agnostic.get_seq_length() == 90
 
     # reference: scores from the joint prefill, whose last 20 queries are exactly the question
-    joint = kvsieve.observe_prefill(model, ids[:, :110], window=32, accumulate=False)
+    joint = kvsieve.observe_prefill(model, ids[:, :110], kvsieve.Needs(window=32))
     question_positions = torch.arange(90, 110)
     keep = kvsieve.make_policy("snapkv:window=20,sliding_window=4").keep_indices(
-        joint.observations, 0.8, protect_positions=torch.arange(86, 110)
+        joint.observations[0], 0.8, protect_positions=torch.arange(86, 110)
     )
     for layer in range(3):
         for head, positions in enumerate(aware.kept_positions(layer)):
@@ -80,7 +83,25 @@ def test_question_aware_compression(model, ids, masked_reference):
     )
 
     answer = ids[:, 110:]
-    ours = model(answer, past_key_values=aware).logits
+    with kvsieve.sieve_attention(model):
+        ours = model(answer, past_key_values=aware).logits
     with masked_reference(model, ids[:, :110], [aware.kept_positions(layer) for layer in range(3)]) as ref:
         expected = model(answer, past_key_values=ref.cache).logits
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+def test_apply_compresses_every_row_of_a_padded_batch(model, ids):
+    """A left-padded batch: each prompt is compressed with its own budget, and answers equal one-at-a-time apply."""
+    config = kvsieve.EvictionConfig(eviction_rate=0.7, eviction_mode="snapkv+adaptive")
+    batch = torch.stack([ids[0], torch.cat([torch.zeros(20, dtype=torch.long), ids[0, :100]])])
+    mask = torch.ones_like(batch)
+    mask[1, :20] = 0
+    with kvsieve.apply(model, config) as handle:
+        out = model.generate(batch, attention_mask=mask, **GEN)
+        lengths = [handle.last_cache.stored_lengths(row) for row in range(2)]
+        alone = [model.generate(ids, **GEN), model.generate(ids[:, :100], **GEN)]
+        alone_lengths = [handle.last_cache.stored_lengths()]
+    assert torch.equal(out[0], alone[0][0])
+    assert torch.equal(out[1, -GEN["max_new_tokens"] :], alone[1][0, -GEN["max_new_tokens"] :])
+    assert lengths[1] == alone_lengths[0] and lengths[0] != lengths[1]

@@ -149,14 +149,15 @@ def prefilled():
     with torch.no_grad():
         attentions = eager(ids, output_attentions=True).attentions
     # little protection and a high rate, so that heads share argmax tokens and compression moves some of them
-    keep = make_policy("snapkv+adaptive", sliding_window=8).keep_indices(prefill.observations, 0.8)
-    survival = survival_from_cache(prefill.cache.keep(keep), ids.shape[1])
-    return prefill, attentions, survival
+    observations = prefill.observations[0]
+    keep = make_policy("snapkv+adaptive", sliding_window=8).keep_indices(observations, 0.8)
+    survival = survival_from_cache(prefill.cache.keep([keep]), ids.shape[1])
+    return observations, attentions, survival
 
 
 def test_head_attention_matches_eager_last_row(prefilled):
-    prefill, attentions, _ = prefilled
-    for obs, reference in zip(prefill.observations, attentions, strict=True):
+    observations, attentions, _ = prefilled
+    for obs, reference in zip(observations, attentions, strict=True):
         got = head_attention(obs)
         assert got.shape == (8, 72)
         torch.testing.assert_close(got, reference[0, :, -1, :].float(), atol=1e-5, rtol=1e-4)
@@ -180,9 +181,9 @@ def test_head_consensus_matches_loops():
 
 
 def test_diagnose_matches_brute_force(prefilled):
-    prefill, attentions, survival = prefilled
+    observations, attentions, survival = prefilled
     evidence = [10, 11, 12, 40, 41]
-    result = diagnose(prefill.observations, survival, torch.tensor(evidence))
+    result = diagnose(observations, survival, torch.tensor(evidence))
     assert result.ger_layer == pytest.approx(brute_ger(survival, evidence, "layer"))
     assert result.ger_model == pytest.approx(brute_ger(survival, evidence, "model"))
     assert result.evidence_tokens == 5
@@ -203,10 +204,10 @@ def test_diagnose_matches_brute_force(prefilled):
     assert summary["consensus_mean"] == pytest.approx(float(np.mean(result.consensus)))
     assert summary["recall_mean"] == pytest.approx(float(np.mean(result.recall)))
     with pytest.raises(ValueError, match=r"survival of shape \(2, 2, 72\) has 2 layers, got 3 observations"):
-        diagnose(prefill.observations, survival[:2], evidence)
+        diagnose(observations, survival[:2], evidence)
     with pytest.raises(ValueError, match=r"survival of shape \(3, 1, 72\) does not fit layer 0"):
-        diagnose(prefill.observations, survival[:, :1], evidence)
-    empty = diagnose(prefill.observations, survival, [])
+        diagnose(observations, survival[:, :1], evidence)
+    empty = diagnose(observations, survival, [])
     assert math.isnan(empty.ger_layer) and math.isnan(empty.recall_mean) and empty.evidence_tokens == 0
 
 

@@ -85,24 +85,27 @@ def test_scorer_and_allocator_parameters_never_collide():
 
 
 def test_context_shorter_than_protection(model, ids):
-    with pytest.raises(PolicyError, match="nothing to evict: the context has 30 tokens and all are protected"):
+    with pytest.raises(PolicyError, match="nothing to evict: the sequence has 30 tokens and all are protected"):
         kvsieve.compress(model, ids[:, :30], "importance", 0.5)
     # rate 0 on a short context is fine: nothing is asked to go
     assert kvsieve.compress(model, ids[:, :30], "importance", 0.0).stored_lengths()[0] == [30, 30]
 
 
-def test_batch_larger_than_one(model, ids):
-    with pytest.raises(ValueError, match="batch size 2 is not supported"):
-        kvsieve.compress(model, ids.repeat(2, 1), "importance", 0.5)
+def test_feeding_another_batch_size_names_the_fix(model, ids):
     cache = kvsieve.compress(model, ids[:, :100], "importance", 0.5)
-    with pytest.raises(ValueError, match="batch size 1 only"):
+    with kvsieve.sieve_attention(model), pytest.raises(ValueError, match=r"holds 1 sequence\(s\).*copy\(rows="):
         model(ids[:, 100:].repeat(2, 1), past_key_values=cache)
-
-
-def test_beam_search_is_refused(model, ids):
-    cache = kvsieve.compress(model, ids[:, :100], "importance", 0.5)
-    with pytest.raises(ValueError, match="batch size 1 only"):
+    with kvsieve.sieve_attention(model), pytest.raises(ValueError, match="not expanded for beams"):
         model.generate(ids, past_key_values=cache, max_new_tokens=3, num_beams=2, pad_token_id=0)
+
+
+def test_evicted_cache_outside_sieve_attention_is_refused(model, ids):
+    """The model's own attention cannot read per-head entries: a clear error, not a wrong answer or a torch trace."""
+    cache = kvsieve.compress(model, ids[:, :100], "snapkv+adaptive", 0.5)
+    with pytest.raises(kvsieve.RaggedAttentionError, match=r"with kvsieve.sieve_attention\(model\)"):
+        model(ids[:, 100:], past_key_values=cache)
+    with pytest.raises(kvsieve.RaggedAttentionError, match="only kvsieve's sieve attention reads"):
+        model.generate(ids, past_key_values=cache, max_new_tokens=3, pad_token_id=0)
 
 
 def test_sliding_window_model_is_refused():
@@ -124,19 +127,48 @@ def test_non_transformers_model_is_refused(ids):
         kvsieve.compress(torch.nn.Linear(2, 2), ids, "importance", 0.5)
 
 
-def test_bad_input_ids(model):
+def test_bad_input_ids(model, ids):
     with pytest.raises(ValueError, match="LongTensor of shape"):
         kvsieve.compress(model, torch.zeros(50), "importance", 0.5)
     with pytest.raises(ValueError, match="empty"):
         kvsieve.compress(model, torch.zeros(1, 0, dtype=torch.long), "importance", 0.0)
+    too_big = ids.clone()
+    too_big[0, [5, 9]] = torch.tensor([128, 500])
+    with pytest.raises(ValueError, match=r"token ids outside the model's vocabulary of 128: \[128, 500\]"):
+        kvsieve.compress(model, too_big, "importance", 0.5)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        kvsieve.compress(model, ids, "importance", 0.5, question_ids=-ids[:, :3] - 1)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        kvsieve.observe_prefill(model, ids - 200)
+
+
+def test_bad_attention_mask(model, ids):
+    batch = ids.repeat(2, 1)
+    with pytest.raises(ValueError, match=r"attention_mask must have the shape of input_ids \(2, 120\)"):
+        kvsieve.compress(model, batch, "importance", 0.5, attention_mask=torch.ones(2, 100))
+    mask = torch.ones_like(batch)
+    mask[1] = 0
+    with pytest.raises(ValueError, match=r"sequence\(s\) \[1\] of the batch have no real token"):
+        kvsieve.compress(model, batch, "importance", 0.5, attention_mask=mask)
+    mask[1, :100] = 1
+    with pytest.raises(PolicyError, match="sequence 1 of the batch: nothing to evict"):
+        kvsieve.compress(model, batch, "importance", 0.5, attention_mask=mask, sliding_window=99)
+    with pytest.raises(ValueError, match="question-aware compression takes unpadded sequences"):
+        kvsieve.compress(model, batch, "snapkv", 0.5, attention_mask=mask, question_ids=batch[:, :5])
+
+
+@pytest.mark.parametrize("spec", ["snapkv:window=0", "window:window=-2", "caote:window=0", "expected:future=0"])
+def test_windows_hold_at_least_one_query(spec):
+    with pytest.raises(PolicyError, match=r"must be (an integer )?>= 1"):
+        kvsieve.make_policy(spec)
 
 
 def test_scorer_window_must_match_observation(model, ids):
-    prefill = kvsieve.observe_prefill(model, ids, window=32, accumulate=False)
-    with pytest.raises(ValueError, match="window=64 needs a prefill observed with window >= 64, got 32"):
-        kvsieve.make_policy("window:window=64").keep_indices(prefill.observations, 0.5)
-    with pytest.raises(ValueError, match="importance needs the attention accumulated over all queries"):
-        kvsieve.make_policy("importance").keep_indices(prefill.observations, 0.5)
+    prefill = kvsieve.observe_prefill(model, ids, kvsieve.Needs(window=32))
+    with pytest.raises(ValueError, match="window=64 needs the last 64 prefill queries; 32 were recorded"):
+        kvsieve.make_policy("window:window=64").keep_indices(prefill.observations[0], 0.5)
+    with pytest.raises(ValueError, match="importance needs the attention accumulated over all prefill queries"):
+        kvsieve.make_policy("importance").keep_indices(prefill.observations[0], 0.5)
 
 
 def test_apply_twice_is_refused():

@@ -31,14 +31,18 @@ def test_default_model_full_cache_matches_sdpa_and_compressed_generate_runs(defa
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
     cache = kvsieve.compress(model, ids[:, :250], "importance", rate=0.8)
+    assert model.config._attn_implementation == "sdpa", "compress gives the model its own attention back"
     kept = 250 - round(0.8 * (250 - 1 - 32))
     assert cache.stored_lengths() == [[kept] * 3] * 30
     assert cache.nbytes() == prefill.cache.nbytes() * kept // 300
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with kvsieve.sieve_attention(model):
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 308)
     assert cache.get_seq_length() == 307
 
     ragged = kvsieve.compress(model, ids[:, :250], "snapkv+adaptive", rate=0.8)
     lengths = [n for layer in ragged.stored_lengths() for n in layer]
     assert len(set(lengths)) > 1 and sum(lengths) == 30 * 3 * kept
-    assert ragged.allocated_nbytes() == ragged.nbytes() == sum(lengths) * 2 * 64 * 4
+    entry = 2 * 64 * 4  # key + value, head_dim 64, float32
+    assert ragged.nbytes() == sum(lengths) * entry
+    assert ragged.allocated_nbytes() == ragged.nbytes() + 30 * entry, "exactly sized, plus one null entry per layer"

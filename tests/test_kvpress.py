@@ -13,10 +13,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 import kvsieve
 from conftest import tiny_llama
 from kvsieve.allocators import uniform_keep
-from kvsieve.attention import ATTENTION_NAME, sieve_attention_forward
+from kvsieve.attention import ATTENTION_NAME, register_sieve_attention, sieve_attention_forward
 from kvsieve.compare import KVPRESS_PRESSES, import_kvpress, kvpress_compress, kvpress_ratio, make_press
 
-kvpress = import_kvpress()  # before any plain `import kvpress`: keeps conftest's reference attention unwrapped
+kvpress = import_kvpress()  # a plain import: kvpress wraps every registered attention function, harmlessly
 
 N_CONTEXT = 100
 N_PROTECTED = 33  # kvsieve's defaults: 1 sink + 32 recent tokens
@@ -54,13 +54,18 @@ def test_ratio_count_matches_kvsieve_formula_over_a_grid():
 def test_kept_count_equals_kvsieve_compress(rate):
     """Both libraries hold the same number of entries per head at one rate (kvsieve counted by its cache)."""
     model, ctx = tiny_llama(), _ids()[:, :N_CONTEXT]
+    model.set_attn_implementation("eager")  # neither sieve nor kvpress's SDPA: restoring it is visible
     sieved = kvsieve.compress(model, ctx, "knorm", rate)
+    assert model.config._attn_implementation == "eager", "compress must give the previous attention back"
     counts = {n for layer in sieved.stored_lengths() for n in layer}
     assert len(counts) == 1
     pressed = kvpress_compress(model, ctx, "knorm", rate)
+    assert model.config._attn_implementation == "eager", "kvpress_compress must give the previous attention back"
     assert {int(layer.keys.shape[-2]) for layer in pressed.cache.layers} == counts
     assert set(pressed.visible.sum(-1).flatten().tolist()) == counts
-    assert model.config._attn_implementation == ATTENTION_NAME, "the previous attention must come back"
+    with pressed.decoding(model):
+        assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == "eager", "decoding() must give the previous attention back"
 
 
 @pytest.mark.parametrize("press", ["knorm", "snapkv", "streaming_llm"])
@@ -160,32 +165,54 @@ def test_adakv_masks_ragged_heads_but_keeps_all_bytes(masked_reference):
 
 
 @torch.no_grad()
-def test_kvsieve_still_works_after_kvpress():
-    """After kvpress (even one that wrapped sieve attention at import), kvsieve matches a fresh model."""
+def test_kvsieve_still_works_after_kvpress(masked_reference):
+    """With "sieve" wrapped by kvpress's attention patch and after an AdaKV press, kvsieve still decodes exactly."""
     model, fresh, ids = tiny_llama(seed=13), tiny_llama(seed=13), _ids(seed=14)
     ctx, question = ids[:, :N_CONTEXT], ids[:, N_CONTEXT:]
-    kvsieve.compress(model, ctx, "snapkv", 0.5)  # registers and switches to sieve attention
-    # what importing kvpress after that does: wrap every registered attention function
-    ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] = kvpress.attention_patch.attention_patch(sieve_attention_forward)
+    register_sieve_attention()
+    previous = ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME]
+    # what importing kvpress after kvsieve registered "sieve" does: wrap every registered attention function
+    patched = kvpress.attention_patch.attention_patch(sieve_attention_forward)
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(args[1].shape[2])  # query length: proves the model went through kvpress's wrapper
+        return patched(*args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] = wrapped
     try:
         pressed = kvpress_compress(model, ctx, "adakv_expected_attention", 0.5)
+        assert model.config._attn_implementation == "sdpa", "kvpress_compress must give the previous attention back"
         pressed.forward(model, question)
-        assert model.config._attn_implementation == ATTENTION_NAME
+        assert model.config._attn_implementation == "sdpa", "decoding() must give the previous attention back"
+        assert not calls, "kvpress runs on SDPA, not on sieve"
         cache = kvsieve.compress(model, ctx, "snapkv", 0.5)
+        assert calls and set(calls) == {N_CONTEXT}, "the observed prefill went through the wrapped sieve"
+        assert model.config._attn_implementation == "sdpa"
         fresh_cache = kvsieve.compress(fresh, ctx, "snapkv", 0.5)
+        kept = [cache.kept_positions(layer) for layer in range(3)]
         for layer in range(3):
-            for ours, theirs in zip(cache.kept_positions(layer), fresh_cache.kept_positions(layer), strict=True):
+            for ours, theirs in zip(kept[layer], fresh_cache.kept_positions(layer), strict=True):
                 assert torch.equal(ours, theirs)
-        torch.testing.assert_close(_logits(model, cache, question), _logits(fresh, fresh_cache, question))
+        assert any(not torch.equal(heads[0], heads[1]) for heads in kept), "kv-heads should keep different entries"
+        calls.clear()
+        with kvsieve.sieve_attention(model):
+            ours = _logits(model, cache, question)
+        assert calls == [question.shape[-1]] * 3, "decoding went through the wrapped sieve"
+        with kvsieve.sieve_attention(fresh):
+            theirs = _logits(fresh, fresh_cache, question)
+        with masked_reference(model, ctx, kept) as ref:
+            expected = _logits(model, ref.cache, question)
+        torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(ours, theirs)
         # no AdaKV mask is left behind on plain SDPA decoding either
-        model.set_attn_implementation("sdpa")
-        fresh.set_attn_implementation("sdpa")
+        assert model.config._attn_implementation == fresh.config._attn_implementation == "sdpa"
         mine, theirs = DynamicCache(), DynamicCache()
         model(ctx, past_key_values=mine)
         fresh(ctx, past_key_values=theirs)
         torch.testing.assert_close(_logits(model, mine, question), _logits(fresh, theirs, question))
     finally:
-        ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] = sieve_attention_forward
+        ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] = previous
 
 
 def test_unknown_press_lists_the_presses():

@@ -43,6 +43,22 @@ def test_prefill_once_equals_reprefill(model, documents):
 
 
 @torch.no_grad()
+def test_batched_rows_equal_one_row_at_a_time(model, documents):
+    """Feeding a document's configurations as rows of one batch gives the nll of feeding them one by one."""
+    policies, rates = ["importance", "random", "knorm"], [0.5, 0.9]  # 7 configurations: batches of 4 and 3
+    single = run_ppl(model, documents, policies, rates, PREFIX, CONT, rows_per_pass=1)
+    batched = run_ppl(model, documents, policies, rates, PREFIX, CONT, rows_per_pass=4)
+    np.testing.assert_allclose(batched.nll_full, single.nll_full, rtol=1e-4)
+    assert batched.nll.keys() == single.nll.keys() == {(p, r) for p in policies for r in rates}
+    for key in single.nll:
+        assert len(batched.nll[key]) == len(single.nll[key]) == len(documents)
+        np.testing.assert_allclose(batched.nll[key], single.nll[key], rtol=1e-4)
+        assert batched.kv_bytes[key] == single.kv_bytes[key]
+    # the configurations differ from each other, so a batch answering every row alike would not pass
+    assert len({round(v[0], 3) for v in single.nll.values()}) == len(single.nll)
+
+
+@torch.no_grad()
 def test_report_rows(model, documents):
     result = run_ppl(model, documents, ["importance", "random"], [0.5, 0.9], PREFIX, CONT)
     report = result.to_json()

@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 import kvsieve
 from conftest import tiny_llama
+from kvsieve.observe import Statistics
 from kvsieve.scorers import SCORERS
 from kvsieve.scorers.expected import unrotate
 
@@ -32,8 +33,10 @@ def model():
     return model
 
 
-def _observations(model, ids, window: int, accumulate: bool = False) -> list[kvsieve.Observation]:
-    return kvsieve.observe_prefill(model, ids[:, :N], window=window, accumulate=accumulate).observations
+def _observations(model, ids, window: int, accumulate: bool = False, **needs) -> list[kvsieve.Observation]:
+    """The observations of the reference prefill's only sequence (`needs`: output_projection, rotary)."""
+    needs = kvsieve.Needs(window=window, accumulated=accumulate, **needs)
+    return kvsieve.observe_prefill(model, ids[:, :N], needs).observations[0]
 
 
 def _eager_attentions(model, ids) -> list[torch.Tensor]:
@@ -180,7 +183,7 @@ def test_caote_matches_brute_force_removal(model, ids):
 def test_critical_matches_brute_force_output_projection(model, ids):
     """critical = sum over the group of window attention times ||o_proj(v_j in head h's slot)||_1."""
     w = 8
-    observations = _observations(model, ids, window=w)
+    observations = _observations(model, ids, window=w, output_projection=True)
     attentions = _eager_attentions(model, ids)
     cache = _dense_cache(model, ids)
     heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
@@ -214,7 +217,7 @@ def test_expected_unrotation_and_full_reference(model, ids):
     heads, kv = model.config.num_attention_heads, model.config.num_key_value_heads
     group, dim = heads // kv, model.config.hidden_size // heads
     scale = dim**-0.5
-    observations = _observations(model, ids, window=w)
+    observations = _observations(model, ids, window=w, rotary=True)
 
     captured: dict[int, torch.Tensor] = {}
     handles = [
@@ -236,7 +239,8 @@ def test_expected_unrotation_and_full_reference(model, ids):
 
     for layer, obs in enumerate(observations):
         pre_rope = captured[layer][0, -w:].transpose(0, 1).float()  # [heads, w, d]
-        unrotated = unrotate(obs.window_queries, *obs.rotary(obs.window_positions))
+        queries, query_positions = obs.queries(w)
+        unrotated = unrotate(queries, *obs.rotary(query_positions))
         torch.testing.assert_close(unrotated, pre_rope, atol=1e-5, rtol=1e-4)
 
         keys = cache.layers[layer].keys[0].float().repeat_interleave(group, dim=0)  # [heads, n, d]
@@ -259,16 +263,83 @@ def group4_observations() -> list[kvsieve.Observation]:
     """Observations of a group-4 model (8 heads, 2 kv-heads; 6 heads would not divide hidden_size 64)."""
     model = tiny_llama(heads=8, kv_heads=2)
     ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(1))
-    return kvsieve.observe_prefill(model, ids, window=32, accumulate=True).observations
+    needs = kvsieve.Needs(window=32, accumulated=True, output_projection=True, rotary=True)
+    return kvsieve.observe_prefill(model, ids, needs).observations[0]
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("name", sorted(SCORERS))
 def test_every_scorer_finite_with_shape(name, group4_observations):
-    """Every registered scorer gives finite `[kv_heads, n]` scores on a group-4 model with accumulate=True."""
+    """Every registered scorer gives finite `[kv_heads, n]` scores on a group-4 model observed with every need."""
     scorer = kvsieve.make_policy(name).scorer
     for obs in group4_observations:
         assert obs.group == 4
         scores = scorer.score(obs)
         assert scores.shape == (2, 120)
         assert torch.isfinite(scores).all()
+
+
+@pytest.fixture(scope="module")
+def evicted():
+    """A tiny model and a cache compressed by snapkv+adaptive at rate 0.8: its kv-heads keep different counts."""
+    model = tiny_llama(seed=4)
+    ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(6))
+    cache = kvsieve.compress(model, ids, "snapkv+adaptive", 0.8)
+    assert any(len(set(layer)) > 1 for layer in cache.stored_lengths()), "expected a ragged cache"
+    return model, cache
+
+
+def _single_head_observation(cache: kvsieve.SievedCache, layer: int, head: int, group: int, scaling: float):
+    """An Observation holding only the real entries that one kv-head of an evicted cache keeps, built by hand."""
+    keys, values, positions = cache.layers[layer].segments.segment(0, head)
+    stats = Statistics(scaling=scaling, q_heads=group)
+    return kvsieve.Observation(layer, len(cache.layers), keys[None], values[None], positions[None], None, stats)
+
+
+@pytest.mark.parametrize("spec", ["knorm", "keydiff", "streaming", "window:keykey=true"])
+@torch.no_grad()
+def test_scorers_on_an_evicted_cache_score_each_head_on_its_own_entries(evicted, spec):
+    """observe_cache: `[kv_heads, n_max]` scores equal, on each head's entries, the scorer on that head alone."""
+    model, cache = evicted
+    kv = model.config.num_key_value_heads
+    group = model.config.num_attention_heads // kv
+    scaling = (model.config.hidden_size // model.config.num_attention_heads) ** -0.5
+    observations = kvsieve.observe_cache(model, cache)
+    assert len(observations) == len(cache.layers)
+    scorer = kvsieve.make_policy(spec).scorer
+    for layer, (obs, lengths) in enumerate(zip(observations, cache.stored_lengths(), strict=True)):
+        scores = scorer.score(obs)
+        assert scores.shape == (kv, max(lengths))
+        for head in range(kv):
+            valid = obs.valid_mask[head]
+            assert valid.tolist() == [i < lengths[head] for i in range(max(lengths))]
+            assert torch.isfinite(scores[head][valid]).all()
+            alone = scorer.score(_single_head_observation(cache, layer, head, group, scaling))
+            assert alone.shape == (1, lengths[head])
+            torch.testing.assert_close(scores[head][valid], alone[0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [("snapkv", "window=32 needs the last 32 prefill queries; 0 were recorded"), ("importance", "Needs.accumulated")],
+)
+def test_scorers_needing_prefill_statistics_refuse_an_evicted_cache(evicted, spec, match):
+    """An observation of an evicted cache has no recorded queries or accumulated attention: a clear error."""
+    model, cache = evicted
+    for obs in kvsieve.observe_cache(model, cache):
+        with pytest.raises(ValueError, match=match):
+            kvsieve.make_policy(spec).scorer.score(obs)
+
+
+@torch.no_grad()
+def test_random_scores_follow_positions_not_padding(evicted):
+    """Random scores are a function of (seed, layer, head, position): re-scoring a ragged cache keeps them."""
+    model, cache = evicted
+    prefill = kvsieve.observe_prefill(model, torch.zeros(1, 120, dtype=torch.long), kvsieve.Needs()).observations[0]
+    scorer = kvsieve.make_policy("random:seed=3").scorer
+    for full, obs in zip(prefill, kvsieve.observe_cache(model, cache), strict=True):
+        before = scorer.score(full)  # every position 0..119 of every head
+        after = scorer.score(obs)
+        for head in range(obs.num_kv_heads):
+            valid = obs.valid_mask[head]
+            torch.testing.assert_close(after[head][valid], before[head][obs.positions[head][valid]])

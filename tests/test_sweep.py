@@ -82,9 +82,9 @@ def test_respond_full_cache_equals_plain_transformers(lm, tok):
     encoded = encode(make_sample(0), tok)
     prefilled, prompt = split_prompt(encoded, "agnostic")
     prefill = kvsieve.observe_prefill(lm, prefilled)
-    response = respond(lm, prefill.cache, prompt, encoded.gold_ids, max_new_tokens=6, eos_token_id=-1)
+    [response] = respond(lm, prefill.cache, prompt, encoded.gold_ids, max_new_tokens=6, eos_token_id=-1)
 
-    lm.set_attn_implementation("sdpa")
+    assert lm.config._attn_implementation == "sdpa"  # the observed prefill gave the model its attention back
     whole = torch.cat([prompt, encoded.gold_ids], dim=-1)
     logits = lm(whole).logits[0].double()
     g = encoded.gold_ids.shape[1]
@@ -130,9 +130,10 @@ def test_sweep_rows_match_direct_compression(lm, tok, tmp_path):
             assert row.kv_bytes == cache.nbytes()
             assert row.kept_entries == sum(map(sum, cache.stored_lengths()))
             prompt = torch.cat([encoded.context_ids, encoded.question_ids], -1)
-            response = respond(
-                lm, cache, prompt, encoded.gold_ids, sample.max_new_tokens, rank_index=encoded.gold_content_index
-            )
+            with kvsieve.sieve_attention(lm):
+                [response] = respond(
+                    lm, cache, prompt, encoded.gold_ids, sample.max_new_tokens, rank_index=encoded.gold_content_index
+                )
             assert row.gold_logprob == pytest.approx(response.gold_logprob)
             assert row.output == tok.decode(response.tokens, skip_special_tokens=True).strip()
         assert by[index, "snapkv", 0.9].kv_bytes < by[index, "snapkv", 0.5].kv_bytes < by[index, "full", 0.0].kv_bytes
@@ -140,6 +141,26 @@ def test_sweep_rows_match_direct_compression(lm, tok, tmp_path):
         assert by[index, "full", 0.0].ger_layer == 0.0
         assert 0.0 <= by[index, "random", 0.9].ger_layer <= 1.0
     assert set(rows["sample"]) == {sample_key(s) for s in samples}
+
+
+@torch.no_grad()
+def test_batched_sweep_equals_one_configuration_at_a_time(lm, tok):
+    """Answering a sample's kvsieve configurations as one batch gives the rows of answering them one by one."""
+    samples = [make_sample(0), make_sample(1, "7654321")]
+    policies, rates, modes = "snapkv,knorm,random,importance", [0.5, 0.9], ("agnostic", "aware")
+    batched = run_sweep(lm, tok, samples, policies, rates, modes=modes)
+    single = run_sweep(lm, tok, samples, policies, rates, modes=modes, rows_per_pass=1)
+    assert len(batched) == len(single) == 2 * 2 * (1 + 4 * 2)
+    key = ["sample", "mode", "policy", "rate"]
+    batched, single = batched.set_index(key).sort_index(), single.set_index(key).sort_index()
+    assert list(batched.index) == list(single.index)
+    assert (batched["output"] == single["output"]).all()
+    assert (batched["kept_entries"] == single["kept_entries"]).all()
+    assert (batched["kv_bytes"] == single["kv_bytes"]).all()
+    assert (batched["gold_rank"] == single["gold_rank"]).all()
+    assert batched["gold_logprob"].to_numpy() == pytest.approx(single["gold_logprob"].to_numpy(), abs=1e-5)
+    # the rows differ from each other, so a batch answering every row alike would not pass
+    assert batched["kv_bytes"].nunique() > 2 and batched["gold_logprob"].nunique() > len(batched) // 2
 
 
 @torch.no_grad()
@@ -187,9 +208,11 @@ def test_sweep_rejects_bad_input(lm, tok):
 def test_respond_in_chunks_is_exact(lm, tok):
     encoded = encode(make_sample(0), tok)
     prompt = torch.cat([encoded.context_ids, encoded.question_ids], -1)
-    whole = respond(lm, kvsieve.compress(lm, encoded.context_ids, "snapkv", rate=0.5), prompt, encoded.gold_ids, 6)
+    whole_cache = kvsieve.compress(lm, encoded.context_ids, "snapkv", rate=0.5)
     cache = kvsieve.compress(lm, encoded.context_ids, "snapkv", rate=0.5)
-    chunked = respond(lm, cache, prompt, encoded.gold_ids, 6, max_feed=3)
+    with kvsieve.sieve_attention(lm):
+        [whole] = respond(lm, whole_cache, prompt, encoded.gold_ids, 6)
+        [chunked] = respond(lm, cache, prompt, encoded.gold_ids, 6, max_feed=3)
     assert torch.equal(whole.tokens, chunked.tokens)
     assert chunked.gold_logprob == pytest.approx(whole.gold_logprob, rel=1e-5)
 

@@ -1,10 +1,10 @@
 """kvsieve: decide which KV-cache entries a transformers model keeps, evict the rest for real, measure the cost."""
 
 from .apply import EvictionConfig, SieveHandle, apply, compress
-from .attention import UnhookableModelError, UnsupportedAttentionError, enable_sieve_attention
-from .cache import SievedCache
+from .attention import UnhookableModelError, UnsupportedAttentionError, sieve_attention
+from .cache import RaggedAttentionError, SievedCache
 from .models import ModelNotFoundError, load_model
-from .observe import Observation, Prefill, observe_prefill
+from .observe import Needs, Observation, Prefill, observe_cache, observe_prefill
 from .policy import Policy, PolicyError, known_policies, make_policy
 
 __version__ = "0.1.0"
@@ -12,10 +12,12 @@ __version__ = "0.1.0"
 __all__ = [
     "EvictionConfig",
     "ModelNotFoundError",
+    "Needs",
     "Observation",
     "Policy",
     "PolicyError",
     "Prefill",
+    "RaggedAttentionError",
     "SieveHandle",
     "SievedCache",
     "UnhookableModelError",
@@ -23,9 +25,10 @@ __all__ = [
     "__version__",
     "apply",
     "compress",
-    "enable_sieve_attention",
     "known_policies",
     "load_model",
     "make_policy",
+    "observe_cache",
     "observe_prefill",
+    "sieve_attention",
 ]

@@ -1,8 +1,8 @@
-"""Allocators: turn scores and an eviction rate into keep counts per (layer, kv-head).
+"""Allocators: turn scores and an eviction rate into keep counts per (layer, kv-head) of one sequence.
 
 Every allocator keeps the same total number of entries as `uniform` (the rate is the rate);
-they differ in where the entries go. Counts are of evictable entries: protected entries are
-kept on top of them.
+they differ in where the entries go. Counts are of evictable entries (`evictable [kv_heads, n]`
+per layer: existing and not protected); protected entries are kept on top of them.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ class Allocator(Protocol):
 
     name: ClassVar[str]
 
-    def counts(self, scores: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
-        """Keep counts of evictable entries per (layer, kv-head), from scores `[kv_heads, n]` and masks `[n]`."""
+    def counts(self, scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
+        """Keep counts of evictable entries per (layer, kv-head), from scores and masks `[kv_heads, n]`."""
         ...
 
 
@@ -107,8 +107,17 @@ def zscore(scores: torch.Tensor) -> torch.Tensor:
 CALIBRATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"mass": mass_share, "zscore": zscore}
 
 
-def _evictable(scores: Sequence[torch.Tensor], protected: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-    return [[head[~mask] for head in layer] for layer, mask in zip(scores, protected, strict=True)]
+def _evictable(scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Per layer, per kv-head: the scores of the evictable entries."""
+    return [
+        [head[mask] for head, mask in zip(layer, masks, strict=True)]
+        for layer, masks in zip(scores, evictable, strict=True)
+    ]
+
+
+def _shares(evictable: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
+    """Per layer, per kv-head: the evictable entries a uniform split keeps."""
+    return [[uniform_keep(int(n), rate) for n in masks.sum(dim=-1).tolist()] for masks in evictable]
 
 
 def _per_layer(flat: Sequence[int], heads: Sequence[int]) -> list[list[int]]:
@@ -131,8 +140,8 @@ class Uniform:
 
     name: ClassVar[str] = "uniform"
 
-    def counts(self, scores: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
-        return [[uniform_keep(int((~p).sum()), rate)] * s.shape[0] for s, p in zip(scores, protected, strict=True)]
+    def counts(self, scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
+        return _shares(evictable, rate)
 
 
 @dataclass(frozen=True)
@@ -150,14 +159,12 @@ class Pyramid:
         if self.beta < 1:
             raise ValueError(f"beta must be >= 1, got {self.beta}")
 
-    def counts(self, scores: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
+    def counts(self, scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
         heads = [s.shape[0] for s in scores]
-        n_evictable = [int((~p).sum()) for p in protected]
-        total = sum(h * uniform_keep(n, rate) for h, n in zip(heads, n_evictable, strict=True))
-        mean = total / sum(heads)
-        budgets = pyramid_budgets(mean, len(scores), self.beta)
+        total = sum(map(sum, _shares(evictable, rate)))
+        budgets = pyramid_budgets(total / sum(heads), len(scores), self.beta)
         targets = [b for b, h in zip(budgets, heads, strict=True) for _ in range(h)]
-        caps = [n for n, h in zip(n_evictable, heads, strict=True) for _ in range(h)]
+        caps = [n for masks in evictable for n in masks.sum(dim=-1).tolist()]
         return _per_layer(apportion(targets, caps, total), heads)
 
 
@@ -175,12 +182,11 @@ class Adaptive:
     def __post_init__(self) -> None:
         _check_fraction("safeguard", self.safeguard)
 
-    def counts(self, scores: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
+    def counts(self, scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
         counts = []
-        for layer_scores in _evictable(scores, protected):
-            share = uniform_keep(layer_scores[0].numel(), rate)
-            floors = [math.floor(self.safeguard * share)] * len(layer_scores)
-            counts.append(pooled_counts(layer_scores, floors, share * len(layer_scores)))
+        for layer_scores, shares in zip(_evictable(scores, evictable), _shares(evictable, rate), strict=True):
+            floors = [math.floor(self.safeguard * share) for share in shares]
+            counts.append(pooled_counts(layer_scores, floors, sum(shares)))
         return counts
 
 
@@ -204,33 +210,30 @@ class Global:
             raise ValueError(f"unknown calibration {self.calibration!r}; valid: {', '.join(CALIBRATIONS)}")
         _check_fraction("safeguard", self.safeguard)
 
-    def counts(self, scores: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
+    def counts(self, scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
         calibrate = CALIBRATIONS[self.calibration]
-        heads, flat, floors, total = [], [], [], 0
-        for layer_scores in _evictable(scores, protected):
-            share = uniform_keep(layer_scores[0].numel(), rate)
-            heads.append(len(layer_scores))
-            flat.extend(calibrate(s) for s in layer_scores)
-            floors.extend([math.floor(self.safeguard * share)] * len(layer_scores))
-            total += share * len(layer_scores)
-        return _per_layer(pooled_counts(flat, floors, total), heads)
+        shares = [share for layer in _shares(evictable, rate) for share in layer]
+        flat = [calibrate(s) for layer_scores in _evictable(scores, evictable) for s in layer_scores]
+        floors = [math.floor(self.safeguard * share) for share in shares]
+        return _per_layer(pooled_counts(flat, floors, sum(shares)), [s.shape[0] for s in scores])
 
 
 ALLOCATORS: dict[str, type] = {cls.name: cls for cls in (Uniform, Pyramid, Adaptive, Global)}
 
 
-def keep_indices(scores: torch.Tensor, protected: torch.Tensor, keep_counts: Sequence[int]) -> list[torch.Tensor]:
+def keep_indices(
+    scores: torch.Tensor, protected: torch.Tensor, evictable: torch.Tensor, keep_counts: Sequence[int]
+) -> list[torch.Tensor]:
     """Sorted indices kept per kv-head: every protected entry plus the `keep_counts[h]` best evictable ones.
 
     Args:
-        scores: `[kv_heads, n]`, higher = keep. protected: `[n]` bool.
+        scores: `[kv_heads, n]`, higher = keep. protected, evictable: `[kv_heads, n]` bool.
     """
-    if not torch.isfinite(scores).all():
+    if not torch.isfinite(scores[evictable]).all():
         raise ValueError("scores must be finite (got NaN or inf)")
-    masked = scores.float().masked_fill(protected[None, :], float("-inf"))
-    protected_idx = protected.nonzero().flatten()
+    masked = scores.float().masked_fill(~evictable, float("-inf"))
     out = []
     for h, count in enumerate(keep_counts):
-        best = torch.topk(masked[h], k=count, sorted=False).indices if count else protected_idx[:0]
-        out.append(torch.cat([protected_idx, best]).sort().values)
+        best = torch.topk(masked[h], k=count, sorted=False).indices
+        out.append(torch.cat([protected[h].nonzero().flatten(), best]).sort().values)
     return out

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from types import TracebackType
 
 import torch
 
+from .attention import sieve_attention
 from .cache import SievedCache
-from .observe import observe_prefill
-from .policy import Policy, check_rate, make_policy
+from .observe import Observation, Prefill, check_input_ids, observe_prefill
+from .policy import DEFAULT_N_SINK, DEFAULT_SLIDING_WINDOW, Policy, PolicyError, check_rate, make_policy
 
 
 def question_protection(n_context: int, n_question: int, sliding_window: int) -> torch.Tensor:
@@ -22,52 +25,100 @@ def question_protection(n_context: int, n_question: int, sliding_window: int) ->
     return torch.arange(max(0, n_context - sliding_window), n_context + n_question)
 
 
+def _with_question(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    question_ids: torch.Tensor,
+    sliding_window: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The context followed by the question, and the positions to protect."""
+    check_input_ids(model, question_ids, "question_ids")
+    if question_ids.shape[0] != input_ids.shape[0]:
+        raise ValueError(f"question_ids has {question_ids.shape[0]} rows, input_ids {input_ids.shape[0]}")
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError("question-aware compression takes unpadded sequences; compress padded rows one at a time")
+    protected = question_protection(input_ids.shape[-1], question_ids.shape[-1], sliding_window)
+    return torch.cat([input_ids, question_ids.to(input_ids.device)], dim=-1), protected.to(input_ids.device)
+
+
 def compress(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     policy: str | Policy = "importance",
     rate: float = 0.5,
     *,
+    attention_mask: torch.Tensor | None = None,
     budget: str | None = None,
     question_ids: torch.Tensor | None = None,
     protect_positions: torch.Tensor | None = None,
     **policy_params: object,
 ) -> SievedCache:
-    """Prefill `input_ids` ([1, tokens]) and return a cache from which `rate` of the evictable entries are gone.
+    """Prefill `input_ids` and return a cache from which `rate` of each sequence's evictable entries are gone.
 
-    The model is switched to sieve attention (exact; identical to SDPA for ordinary caches).
-    Continue with `model.generate(torch.cat([input_ids, new_ids], -1), past_key_values=cache)`.
+    The prefill runs on sieve attention (exact; the model's own attention comes back afterwards).
+    Decode from the cache under `kvsieve.sieve_attention(model)`:
+    `model.generate(torch.cat([input_ids, new_ids], -1), past_key_values=cache)`.
 
-    Question-agnostic (default): only the context is seen before eviction. Question-aware
-    (`question_ids` given): the context and the question are prefilled together, so the
-    question's queries feed the statistics (they are the last queries, the window scorers
-    read); the question's entries are protected and stay in the cache, and so does the
-    context's recent window, so both modes evict the same number of context entries. Continue with
+    Every sequence of a batch keeps its own entries, with its own budget counted over its own real
+    tokens; padding is never kept. Question-agnostic (default): only the context is seen before
+    eviction. Question-aware (`question_ids` given): context and question are prefilled together,
+    so the question's queries feed the statistics (they are the last queries, the window scorers
+    read); the question's entries are protected and stay in the cache, and so does the context's
+    recent window, so both modes evict the same number of context entries. Continue with
     `torch.cat([input_ids, question_ids, new_ids], -1)`.
 
     Args:
+        input_ids: `[batch, tokens]`; pad with `attention_mask` (left or right padding).
         policy: a `Policy` or a spec such as ``"snapkv"`` or ``"snapkv+adaptive:window=16"``.
         rate: evicted fraction of the evictable entries, in [0, 1).
+        attention_mask: `[batch, tokens]`, 1 for real tokens and 0 for padding.
         budget: the allocator (``uniform``, ``pyramid``, ``adaptive``, ``global``) if `policy` names none.
-        question_ids: `[1, q]` tokens of the question, for question-aware compression.
-        protect_positions: positions never to evict.
+        question_ids: `[batch, q]` tokens of the question, for question-aware compression (unpadded rows).
+        protect_positions: token positions (counted over each sequence's real tokens) never to evict.
         policy_params: scorer and allocator parameters and `n_sink` / `sliding_window`.
     """
     rate = check_rate(rate)
     resolved = make_policy(policy, budget=budget, **policy_params)
+    check_input_ids(model, input_ids)
     if question_ids is not None:
-        if not isinstance(question_ids, torch.Tensor) or question_ids.ndim != 2 or question_ids.shape[0] != 1:
-            raise ValueError("question_ids must be a LongTensor of shape [1, tokens]")
-        protected = question_protection(input_ids.shape[-1], question_ids.shape[-1], resolved.sliding_window)
-        protected = protected.to(input_ids.device)
+        input_ids, protected = _with_question(model, input_ids, attention_mask, question_ids, resolved.sliding_window)
         protect_positions = protected if protect_positions is None else torch.cat([protect_positions, protected])
-        input_ids = torch.cat([input_ids, question_ids.to(input_ids.device)], dim=-1)
-    prefill = observe_prefill(
-        model, input_ids, window=resolved.observation_window, accumulate=resolved.needs_accumulated
-    )
-    keep = resolved.keep_indices(prefill.observations, rate, protect_positions)
-    prefill.cache.evict(keep)
-    return prefill.cache
+        attention_mask = None
+    prefill = observe_prefill(model, input_ids, resolved.needs, attention_mask=attention_mask)
+    keep = []
+    for row, observations in enumerate(prefill.observations):
+        try:
+            keep.append(prefill.stored(row, resolved.keep_indices(observations, rate, protect_positions)))
+        except PolicyError as err:
+            if len(prefill.observations) == 1:
+                raise
+            raise PolicyError(f"sequence {row} of the batch: {err}") from None
+    return prefill.cache.keep(keep)
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """One eviction of a prefill: a policy (None: keep everything), a rate, and positions never to evict."""
+
+    policy: str | Policy | None
+    rate: float = 0.0
+    protect_positions: torch.Tensor | None = None
+
+    def keep_indices(self, observations: Sequence[Observation]) -> list[list[torch.Tensor]]:
+        if self.policy is None:
+            return [[torch.arange(o.length) for _ in range(o.num_kv_heads)] for o in observations]
+        return make_policy(self.policy).keep_indices(observations, self.rate, self.protect_positions)
+
+
+def evictions(prefill: Prefill, plans: Sequence[Eviction], row: int = 0) -> SievedCache:
+    """One cache whose row `i` is sequence `row` of `prefill` evicted by `plans[i]`.
+
+    "Prefill once, sieve many" in one batch: a sweep decodes every (policy, rate) of a sample in
+    one batched pass. The prefill's own cache is left as it is.
+    """
+    keep = [prefill.stored(row, plan.keep_indices(prefill.observations[row])) for plan in plans]
+    return prefill.cache.keep(keep, rows=[row] * len(keep))
 
 
 @dataclass(frozen=True)
@@ -81,8 +132,8 @@ class EvictionConfig:
     eviction_rate: float
     eviction_mode: str = "importance"
     budget: str | None = None
-    n_sink: int = 1
-    sliding_window: int = 32
+    n_sink: int = DEFAULT_N_SINK
+    sliding_window: int = DEFAULT_SLIDING_WINDOW
 
     def __post_init__(self) -> None:
         check_rate(self.eviction_rate)
@@ -97,10 +148,12 @@ class EvictionConfig:
 class SieveHandle:
     """Returned by `apply`: while active, `model.generate()` compresses each prompt first.
 
-    The prompt minus its last token is prefilled and compressed; `generate` then feeds the
-    last token and decodes from the compressed cache. Prompts with nothing evictable are
-    not compressed. `last_cache` is the cache of the latest call. Use `remove()` or a
-    with-block to restore the model's own `generate`.
+    The model runs on sieve attention while the handle is active. Each prompt minus its last
+    token is prefilled and compressed (every row of a batch with its own budget; pass the
+    `attention_mask` of a padded batch); `generate` then feeds the last token and decodes from
+    the compressed cache. Prompts with nothing evictable are not compressed. `last_cache` is the
+    cache of the latest call. `remove()` (or leaving the with-block) gives the model back its own
+    `generate` and attention.
     """
 
     def __init__(self, model: torch.nn.Module, config: EvictionConfig) -> None:
@@ -108,28 +161,38 @@ class SieveHandle:
         self.config = config
         self.last_cache: SievedCache | None = None
         self._policy = config.policy()
-        self._original = model.generate
+        self._scope = ExitStack()
+        self._scope.enter_context(sieve_attention(model))
+        original = model.generate
 
-        @functools.wraps(self._original)
+        @functools.wraps(original)
         def generate(*args: object, **kwargs: object) -> torch.Tensor:
-            return self._generate(*args, **kwargs)
+            return self._generate(original, *args, **kwargs)
 
         model.generate = generate
+        self._scope.callback(model.__dict__.pop, "generate", None)
 
-    def _generate(self, inputs: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
+    def _generate(self, original: object, inputs: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
         if kwargs.get("past_key_values") is not None or not isinstance(input_ids, torch.Tensor):
-            return self._original(input_ids, **kwargs)
-        context = input_ids[:, :-1]
-        if context.shape[-1] > self._policy.n_sink + self._policy.sliding_window:
-            cache = compress(self.model, context, self._policy, self.config.eviction_rate)
+            return original(input_ids, **kwargs)
+        mask = kwargs.get("attention_mask")
+        context_mask = None if mask is None else mask[:, :-1]
+        shortest = input_ids.shape[-1] - 1 if mask is None else int(context_mask.sum(dim=-1).min())
+        if shortest > self._policy.n_sink + self._policy.sliding_window:
+            cache = compress(
+                self.model,
+                input_ids[:, :-1],
+                self._policy,
+                self.config.eviction_rate,
+                attention_mask=context_mask,
+            )
             kwargs["past_key_values"] = self.last_cache = cache
-        return self._original(input_ids, **kwargs)
+        return original(input_ids, **kwargs)
 
     def remove(self) -> None:
-        """Restore the model's own `generate`."""
-        if self.model.__dict__.get("generate") is not None:
-            del self.model.generate
+        """Restore the model's own `generate` and attention."""
+        self._scope.close()
 
     def __enter__(self) -> SieveHandle:
         return self
@@ -145,5 +208,5 @@ def apply(model: torch.nn.Module, config: EvictionConfig) -> SieveHandle:
     if not isinstance(config, EvictionConfig):
         raise TypeError(f"apply() takes an EvictionConfig, got {type(config).__name__}")
     if "generate" in model.__dict__:
-        raise RuntimeError("a kvsieve policy is already applied to this model; remove() it first")
+        raise RuntimeError("a kvsieve policy (or another wrapper) is already applied to this model; remove() it first")
     return SieveHandle(model, config)

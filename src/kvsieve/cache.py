@@ -1,124 +1,53 @@
-"""SievedCache: a `transformers.Cache` whose entries are stored per (layer, kv-head).
+"""SievedCache: a `transformers.Cache` whose entries are stored per (sequence, layer, kv-head).
 
-Every kv-head of every layer holds its own key/value tensors, so heads may keep different
-numbers of entries and evicted entries are really freed. Each stored entry remembers its
-original position; the logical length (tokens seen) is kept apart from the stored length so
-new tokens are placed at their true positions by `model.generate()` and plain forwards.
+Every kv-head of every layer of every sequence keeps its own entries (`kvsieve.segments`), so heads,
+layers and sequences may keep different numbers of entries and evicted entries are really freed.
+Each entry remembers its cache position; the logical length (tokens seen) is kept apart from the
+stored length, so `model.generate()` and plain forwards place new tokens at their true positions.
 
-The cache only works together with kvsieve's sieve attention (`kvsieve.attention`), which
-`kvsieve.compress` and `kvsieve.apply` switch on: `update` returns a `LayerView` of ragged
-per-head tensors, not one dense tensor.
+The layers follow the `transformers` cache contract: `update` appends and returns `[batch,
+kv_heads, length, head_dim]` key and value tensors, `get_mask_sizes` describes the logical
+sequence the attention mask covers. Until something is evicted the tensors are the plain cache
+and any attention function reads them. Once heads hold different entries, only sieve attention
+(`kvsieve.sieve_attention`) reads them correctly; another attention function fails with an error
+that says so instead of computing a wrong answer.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-#: Factor by which a head's storage grows when a decode step finds it full.
-GROWTH = 1.02
+from .layout import RaggedLayout, Recorder, in_sieve_scope, publish
+from .segments import Segments
+
+#: `keep[row][layer][kv_head]`: indices of the stored entries to keep.
+KeepIndices = Sequence[Sequence[Sequence[torch.Tensor]]]
 
 
-@dataclass
-class LayerStatistics:
-    """What sieve attention reports for one layer during an observed prefill.
-
-    Attributes:
-        received: `[q_heads, n]` attention each key received, summed over all queries
-            (None unless the recorder asked for it: it costs a materialised softmax).
-        window_queries: `[q_heads, w, head_dim]` the last `w` queries after RoPE, float32.
-        window_positions: `[w]` their positions.
-        scaling: the softmax scale of the layer.
-        output_weight: the layer's output projection `[hidden, q_heads * head_dim]`, if it has one.
-    """
-
-    received: torch.Tensor | None
-    window_queries: torch.Tensor
-    window_positions: torch.Tensor
-    scaling: float
-    output_weight: torch.Tensor | None
-
-
-class Recorder(Protocol):
-    """Receives the statistics of an observed prefill, layer by layer."""
-
-    window: int
-    accumulate: bool
-
-    def __call__(self, layer_idx: int, stats: LayerStatistics) -> None: ...
-
-
-@dataclass
-class LayerView:
-    """What `SievedCache.update` hands to the attention function for one layer.
-
-    Attributes:
-        keys: per kv-head keys, each `[batch, n_h, head_dim]`.
-        values: per kv-head values, each `[batch, n_h, head_dim]`.
-        positions: per kv-head original positions of the stored entries, each `[n_h]`.
-        query_positions: positions of the tokens of the current forward, `[q]`.
-        layer_idx: index of the layer in the model.
-        recorder: set during an observed prefill; receives the attention statistics.
-    """
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    positions: list[torch.Tensor]
-    query_positions: torch.Tensor
-    layer_idx: int
-    recorder: Recorder | None = None
-
-
-def _resized(buffer: torch.Tensor, length: int, capacity: int, dim: int) -> torch.Tensor:
-    """A new buffer of `capacity` along `dim` holding the first `length` entries of `buffer`."""
-    shape = list(buffer.shape)
-    shape[dim] = capacity
-    out = buffer.new_empty(shape)
-    out.narrow(dim, 0, length).copy_(buffer.narrow(dim, 0, length))
-    return out
+class RaggedAttentionError(RuntimeError):
+    """An evicted `SievedCache` was used outside sieve attention, which alone reads it correctly."""
 
 
 class SievedLayer(CacheLayerMixin):
-    """One layer of a `SievedCache`: a list of (keys, values, positions) per kv-head."""
+    """One layer of a `SievedCache`: the entries of every (row, kv-head) and the number of tokens seen."""
 
     is_sliding = False
     is_compileable = False
 
     def __init__(self) -> None:
         super().__init__()
-        self.head_keys: list[torch.Tensor] = []
-        self.head_values: list[torch.Tensor] = []
-        self.head_positions: list[torch.Tensor] = []
-        # per kv-head storage the views above are prefixes of: (keys, values, positions)
-        self._buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.segments: Segments | None = None
         self.seen_tokens = 0
+        self.contiguous = True
+        self.layout: RaggedLayout | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, n_heads = key_states.shape[:2]
         self.dtype, self.device = key_states.dtype, key_states.device
-        self._set_heads(
-            [
-                (
-                    key_states.new_empty(batch, 0, key_states.shape[-1]),
-                    value_states.new_empty(batch, 0, value_states.shape[-1]),
-                    torch.empty(0, dtype=torch.long, device=self.device),
-                )
-                for _ in range(n_heads)
-            ]
-        )
         self.is_initialized = True
-
-    def _set_heads(self, buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-        """Use exactly-sized tensors as the storage of every head."""
-        self._buffers = buffers
-        self.head_keys = [k for k, _, _ in buffers]
-        self.head_values = [v for _, v, _ in buffers]
-        self.head_positions = [p for _, _, p in buffers]
 
     def update(
         self,
@@ -126,132 +55,160 @@ class SievedLayer(CacheLayerMixin):
         value_states: torch.Tensor,
         cache_kwargs: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError("SievedLayer is updated through SievedCache.update")
-
-    def append(self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append `[batch, kv_heads, q, head_dim]` states at the given original positions.
-
-        Each head writes into its own storage, which grows by `GROWTH` when full, so decoding
-        does not copy the whole cache every step and the slack stays within 2%.
-        """
+        """Append `[batch, kv_heads, q, head_dim]` states; return every stored entry, padded per (row, kv-head)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if key_states.shape[1] != len(self.head_keys):
-            raise ValueError(
-                f"expected {len(self.head_keys)} kv-heads, got key states of shape {tuple(key_states.shape)}"
-            )
-        n_new = key_states.shape[2]
-        for h, (keys, values, stored_positions) in enumerate(self._buffers):
-            n = self.head_keys[h].shape[1]
-            if n + n_new > keys.shape[1]:
-                capacity = n + n_new if n == 0 else max(n + n_new, math.ceil((n + n_new) * GROWTH))
-                keys, values, stored_positions = (
-                    _resized(keys, n, capacity, dim=1),
-                    _resized(values, n, capacity, dim=1),
-                    _resized(stored_positions, n, capacity, dim=0),
+        q = key_states.shape[-2]
+        positions = (cache_kwargs or {}).get("cache_position")
+        if positions is None:
+            positions = torch.arange(self.seen_tokens, self.seen_tokens + q, device=key_states.device)
+        positions = positions.long()
+        if self.segments is None:
+            self.segments = Segments.from_dense(key_states, value_states, positions)
+        else:
+            if key_states.shape[:2] != (self.segments.rows, self.segments.heads):
+                raise ValueError(
+                    f"the cache holds {self.segments.rows} sequence(s) x {self.segments.heads} kv-heads, got states "
+                    f"for {key_states.shape[0]} x {key_states.shape[1]}; a pre-filled cache is not expanded for "
+                    "beams or num_return_sequences: pass `cache.copy(rows=[0] * n)` for n rows"
                 )
-                self._buffers[h] = (keys, values, stored_positions)
-            keys[:, n : n + n_new] = key_states[:, h]
-            values[:, n : n + n_new] = value_states[:, h]
-            stored_positions[n : n + n_new] = positions
-            self.head_keys[h] = keys[:, : n + n_new]
-            self.head_values[h] = values[:, : n + n_new]
-            self.head_positions[h] = stored_positions[: n + n_new]
-        self.seen_tokens = max(self.seen_tokens, int(positions[-1]) + 1)
-
-    def keep(self, keep_indices: Sequence[torch.Tensor]) -> SievedLayer:
-        """A new layer holding only the stored entries at `keep_indices` (one index tensor per kv-head).
-
-        Indices are sorted first, so stored positions stay in increasing order (sieve attention relies on it).
-        """
-        if len(keep_indices) != len(self.head_keys):
-            raise ValueError(f"need one index tensor per kv-head ({len(self.head_keys)}), got {len(keep_indices)}")
-        out = SievedLayer()
-        out.dtype, out.device, out.is_initialized = self.dtype, self.device, True
-        out.seen_tokens = self.seen_tokens
-        buffers = []
-        for h, idx in enumerate(keep_indices):
-            idx = idx.to(device=self.device, dtype=torch.long).sort().values
-            if idx.numel() > 1 and bool((idx[1:] == idx[:-1]).any()):
-                raise ValueError(f"keep indices for kv-head {h} contain duplicates")
-            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.head_keys[h].shape[1]):
-                raise IndexError(f"keep index out of range for kv-head {h} ({self.head_keys[h].shape[1]} stored)")
-            buffers.append(
-                (
-                    self.head_keys[h].index_select(1, idx),
-                    self.head_values[h].index_select(1, idx),
-                    self.head_positions[h].index_select(0, idx),
-                )
-            )
-        out._set_heads(buffers)
-        return out
-
-    def stored_lengths(self) -> list[int]:
-        return [int(k.shape[1]) for k in self.head_keys]
-
-    def nbytes(self) -> int:
-        """Bytes of the stored keys and values."""
-        return sum(t.numel() * t.element_size() for t in (*self.head_keys, *self.head_values))
-
-    def allocated_nbytes(self) -> int:
-        """Bytes allocated for keys and values, growth slack included (at most `GROWTH - 1` over `nbytes`)."""
-        return sum(t.untyped_storage().nbytes() for k, v, _ in self._buffers for t in (k, v))
+            self.segments.append(key_states, value_states, positions)
+        self.seen_tokens += q  # tokens fed, as `DynamicLayer` counts them (no device sync)
+        view = self.segments.padded()
+        self.layout = RaggedLayout(view.slots, query_positions=positions, contiguous=self.contiguous, layer_idx=-1)
+        return view.keys, view.values
 
     def get_seq_length(self) -> int:
         return self.seen_tokens
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
-        # The mask built by transformers is in logical positions; sieve attention masks by the
-        # stored original positions itself.
+        """The mask covers the logical sequence: every token seen plus the new ones, from position 0."""
         return self.seen_tokens + cache_position.shape[0], 0
 
     def get_max_cache_shape(self) -> int:
         return -1
 
-    def _unsupported(self, what: str) -> None:
-        raise NotImplementedError(
-            f"SievedCache does not support {what}: use batch size 1, greedy or sampled decoding "
-            "with num_return_sequences=1, and no assisted decoding"
-        )
+    @property
+    def batch_size(self) -> int:
+        return 0 if self.segments is None else self.segments.rows
+
+    def stored_lengths(self, row: int = 0) -> list[int]:
+        """Entries stored per kv-head of `row`."""
+        if self.segments is None:
+            return []
+        heads = self.segments.heads
+        return self.segments.lengths[row * heads : (row + 1) * heads]
+
+    def kept_positions(self, row: int = 0) -> list[torch.Tensor]:
+        """Cache positions of the entries stored per kv-head of `row` (copies)."""
+        if self.segments is None:
+            return []
+        return [self.segments.segment(row, h)[2].clone() for h in range(self.segments.heads)]
+
+    def nbytes(self) -> int:
+        return 0 if self.segments is None else self.segments.nbytes()
+
+    def allocated_nbytes(self) -> int:
+        return 0 if self.segments is None else self.segments.allocated_nbytes()
+
+    def keep(self, keep: Sequence[Sequence[torch.Tensor]], rows: Sequence[int]) -> SievedLayer:
+        """A new layer whose row `i` holds the entries `keep[i][h]` of kv-head `h` of row `rows[i]`."""
+        if self.segments is None:
+            raise ValueError("the cache layer is empty: prefill it before evicting")
+        heads = self.segments.heads
+        sources, indices = [], []
+        kept_all = True
+        for r, (row, per_head) in enumerate(zip(rows, keep, strict=True)):
+            if not 0 <= row < self.segments.rows:
+                raise IndexError(f"row {row} is out of range for a cache of {self.segments.rows} sequence(s)")
+            if len(per_head) != heads:
+                raise ValueError(f"need one index tensor per kv-head ({heads}) for output row {r}, got {len(per_head)}")
+            for h, index in enumerate(per_head):
+                stored = self.segments.lengths[row * heads + h]
+                index = _checked_index(index, stored, f"row {r}, kv-head {h}")
+                kept_all &= index.numel() == stored
+                sources.append(row * heads + h)
+                indices.append(index)
+        out = SievedLayer()
+        out.dtype, out.device, out.is_initialized = self.dtype, self.device, True
+        out.seen_tokens = self.seen_tokens
+        out.contiguous = self.contiguous and kept_all
+        out.segments = self.segments.select(sources, indices, rows=len(rows))
+        return out
+
+    def crop(self, max_length: int) -> None:
+        """Forget every entry at cache position `max_length` or later (assisted decoding rolls back this way)."""
+        if self.segments is None or max_length >= self.seen_tokens:
+            return
+        if max_length < 0:
+            max_length = self.seen_tokens + max_length
+        heads = self.segments.heads
+        keep = [
+            [(self.segments.segment(row, h)[2] < max_length).nonzero().flatten() for h in range(heads)]
+            for row in range(self.segments.rows)
+        ]
+        cropped = self.keep(keep, range(self.segments.rows))
+        self.segments, self.seen_tokens = cropped.segments, max_length
+
+    def select_rows(self, rows: Sequence[int]) -> None:
+        """Keep whole rows, in the given order (repeats allowed): beam search and batch expansion."""
+        if self.segments is None:
+            return
+        heads = self.segments.heads
+        everything = [
+            [torch.arange(self.segments.lengths[row * heads + h], device=self.device) for h in range(heads)]
+            for row in rows
+        ]
+        self.segments = self.keep(everything, rows).segments
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.select_rows(beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.select_rows([row for row in range(self.batch_size) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.select_rows(indices.tolist())
 
     def reset(self) -> None:
         self.__init__()
 
-    def crop(self, max_length: int) -> None:
-        self._unsupported("cropping (assisted decoding)")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._unsupported("beam search")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if repeats != 1:
-            self._unsupported("expanding the batch (num_return_sequences > 1 or beams)")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._unsupported("selecting batch rows")
-
     def offload(self) -> None:
-        self._unsupported("offloading")
+        raise NotImplementedError("SievedCache does not offload layers")
 
     def prefetch(self) -> None:
-        self._unsupported("offloading")
+        raise NotImplementedError("SievedCache does not offload layers")
+
+
+def _checked_index(index: torch.Tensor, stored: int, where: str) -> torch.Tensor:
+    """`index` as sorted, distinct, in-range stored-entry indices, or a clear error."""
+    index = torch.as_tensor(index).to(dtype=torch.long).flatten().sort().values
+    if index.numel() > 1 and bool((index[1:] == index[:-1]).any()):
+        raise ValueError(f"keep indices for {where} contain duplicates")
+    if index.numel() and (int(index[0]) < 0 or int(index[-1]) >= stored):
+        raise IndexError(f"keep index out of range for {where} ({stored} stored)")
+    return index
 
 
 class SievedCache(Cache):
-    """A KV cache stored per (layer, kv-head) that eviction physically shrinks.
+    """A KV cache stored per (sequence, layer, kv-head) that eviction physically shrinks.
 
-    Use it like any `transformers` cache once sieve attention is on (`kvsieve.compress`
-    does both)::
+    Decode from an evicted cache with sieve attention on::
 
-        cache = kvsieve.compress(model, ids, policy="importance", rate=0.8)
-        model.generate(torch.cat([ids, next_ids], -1), past_key_values=cache)
+        cache = kvsieve.compress(model, ids, policy="snapkv", rate=0.8)
+        with kvsieve.sieve_attention(model):
+            model.generate(torch.cat([ids, next_ids], -1), past_key_values=cache)
 
     As for every pre-filled cache in `transformers`, `generate` takes the full sequence
     (context + new tokens) and feeds only the tokens the cache has not seen.
     """
 
-    def __init__(self) -> None:
-        super().__init__(layer_class_to_replicate=SievedLayer)
+    def __init__(self, layers: list[SievedLayer] | None = None) -> None:
+        if layers is None:
+            super().__init__(layer_class_to_replicate=SievedLayer)
+        else:
+            super().__init__(layers=list(layers))
+            self.layer_class_to_replicate = SievedLayer
         self.recorder: Recorder | None = None
 
     def update(
@@ -260,66 +217,72 @@ class SievedCache(Cache):
         value_states: torch.Tensor,
         layer_idx: int,
         cache_kwargs: dict[str, Any] | None = None,
-    ) -> tuple[LayerView, LayerView]:
-        """Append the new states and return a `LayerView` (as both keys and values) for sieve attention."""
-        while len(self.layers) <= layer_idx:
-            self.layers.append(SievedLayer())
-        layer: SievedLayer = self.layers[layer_idx]
-        if key_states.shape[0] != 1:
-            raise ValueError(
-                f"SievedCache supports batch size 1 only (got {key_states.shape[0]}): "
-                "each sequence keeps its own entries"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append through the layer's own `update`, then publish its layout for sieve attention."""
+        evicted = layer_idx < len(self.layers) and not self.layers[layer_idx].contiguous
+        if (evicted or self.recorder is not None) and not in_sieve_scope():
+            raise RaggedAttentionError(
+                "this SievedCache was evicted (its kv-heads keep different entries), which only kvsieve's sieve "
+                "attention reads correctly: run the model under `with kvsieve.sieve_attention(model):`"
             )
-        n_new = key_states.shape[-2]
-        cache_position = (cache_kwargs or {}).get("cache_position")
-        if cache_position is None:
-            positions = torch.arange(layer.seen_tokens, layer.seen_tokens + n_new, device=key_states.device)
-        else:
-            positions = cache_position.to(device=key_states.device, dtype=torch.long)
-        layer.append(key_states, value_states, positions)
-        view = LayerView(
-            keys=layer.head_keys,
-            values=layer.head_values,
-            positions=layer.head_positions,
-            query_positions=positions,
-            layer_idx=layer_idx,
-            recorder=self.recorder,
-        )
-        return view, view
+        keys, values = super().update(key_states, value_states, layer_idx, cache_kwargs)
+        layout = self.layers[layer_idx].layout
+        layout.layer_idx, layout.recorder = layer_idx, self.recorder
+        publish(keys, layout)
+        return keys, values
 
-    def kept_positions(self, layer_idx: int) -> list[torch.Tensor]:
-        """Original positions of the entries stored in `layer_idx`, one LongTensor per kv-head."""
-        return [p.clone() for p in self.layers[layer_idx].head_positions]
+    @property
+    def batch_size(self) -> int:
+        return self.layers[0].batch_size if self.layers else 0
 
-    def stored_lengths(self) -> list[list[int]]:
-        """Stored entries per (layer, kv-head)."""
-        return [layer.stored_lengths() for layer in self.layers]
+    def kept_positions(self, layer_idx: int, row: int = 0) -> list[torch.Tensor]:
+        """Cache positions of the entries stored in `layer_idx` for sequence `row`, one LongTensor per kv-head."""
+        return self.layers[layer_idx].kept_positions(row)
+
+    def stored_lengths(self, row: int = 0) -> list[list[int]]:
+        """Entries stored per (layer, kv-head) for sequence `row`."""
+        return [layer.stored_lengths(row) for layer in self.layers]
 
     def nbytes(self) -> int:
-        """Bytes held by the stored keys and values (positions bookkeeping not included)."""
+        """Bytes held by the stored keys and values (cache positions not included)."""
         return sum(layer.nbytes() for layer in self.layers)
 
+    def row_nbytes(self, row: int) -> int:
+        """Bytes held by the keys and values of one sequence."""
+        return sum(
+            sum(layer.stored_lengths(row)) * layer.segments.entry_bytes() for layer in self.layers if layer.segments
+        )
+
     def allocated_nbytes(self) -> int:
-        """Bytes allocated for keys and values: `nbytes()` plus at most 2% growth slack after decoding."""
+        """Bytes allocated for keys and values: `nbytes()`, growth room (2%, or one block per head), null entries."""
         return sum(layer.allocated_nbytes() for layer in self.layers)
 
-    def keep(self, keep_indices: Sequence[Sequence[torch.Tensor]]) -> SievedCache:
-        """A new cache with only the given stored entries: `keep_indices[layer][head]` index the stored entries.
+    def keep(self, keep: KeepIndices, rows: Sequence[int] | None = None) -> SievedCache:
+        """A new cache holding only the given stored entries; the original is left as it is.
 
-        The original cache is left as it is, so one prefill can serve many eviction configurations.
+        Args:
+            keep: `keep[i][layer][kv_head]` indexes the stored entries of `rows[i]` to keep.
+            rows: the source sequence of each output row (default: row `i` from row `i`); a
+                sequence may appear several times, so one prefill becomes a batch of evictions.
         """
-        if len(keep_indices) != len(self.layers):
-            raise ValueError(f"need keep indices for {len(self.layers)} layers, got {len(keep_indices)}")
-        out = SievedCache()
-        out.layers = [layer.keep(idx) for layer, idx in zip(self.layers, keep_indices, strict=True)]
-        return out
+        rows = list(range(len(keep))) if rows is None else list(rows)
+        if len(rows) != len(keep):
+            raise ValueError(f"got keep indices for {len(keep)} rows but {len(rows)} source rows")
+        for i, per_layer in enumerate(keep):
+            if len(per_layer) != len(self.layers):
+                raise ValueError(f"need keep indices for {len(self.layers)} layers in row {i}, got {len(per_layer)}")
+        layers = [
+            layer.keep([per_layer[layer_idx] for per_layer in keep], rows)
+            for layer_idx, layer in enumerate(self.layers)
+        ]
+        return SievedCache(layers)
 
-    def evict(self, keep_indices: Sequence[Sequence[torch.Tensor]]) -> None:
-        """Keep only the given stored entries, in place; the dropped tensors are released."""
-        self.layers = self.keep(keep_indices).layers
+    def evict(self, keep: KeepIndices) -> None:
+        """Keep only the given stored entries of every row, in place; the dropped tensors are released."""
+        self.layers = self.keep(keep).layers
 
-    def copy(self) -> SievedCache:
-        """A deep copy (every entry kept)."""
-        return self.keep(
-            [[torch.arange(n, device=layer.device) for n in layer.stored_lengths()] for layer in self.layers]
-        )
+    def copy(self, rows: Sequence[int] | None = None) -> SievedCache:
+        """A deep copy of every entry of the given rows (default: all), e.g. `rows=[0] * n` for n copies of row 0."""
+        rows = list(range(self.batch_size)) if rows is None else list(rows)
+        everything = [[[torch.arange(n) for n in layer.stored_lengths(row)] for layer in self.layers] for row in rows]
+        return self.keep(everything, rows)

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from .allocators import ALLOCATORS
 from .apply import compress
+from .attention import sieve_attention
 from .data import essay_texts, sample_documents
 from .data.sample import TaskSample
 from .data.suites import resolve_tasks, task_samples
@@ -129,7 +130,8 @@ def policies() -> None:
 
 
 def _generate(model: Any, ids: torch.Tensor, cache: Any, new_tokens: int) -> torch.Tensor:
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with sieve_attention(model):
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     return out[0, ids.shape[1] :]
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -41,6 +43,20 @@ def default_model_gguf() -> Path:
     return files[0]
 
 
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Silence transformers' loading warnings and progress bars for the block; the user's settings come back after."""
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Dequantize a GGUF once and keep the result under `cache_home()`; later loads read that copy."""
     stat = path.stat()
@@ -75,21 +91,20 @@ def load_model(
             Q4_1 GGUF of SmolLM2-135M-Instruct, dequantized), a path to a ``.gguf`` file,
             a local model directory, or a Hugging Face id (needs network).
     """
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    if name_or_path is None or str(name_or_path) == DEFAULT_MODEL:
-        model, tokenizer = _load_gguf(default_model_gguf(), dtype)
-    elif str(name_or_path).endswith(".gguf"):
-        path = Path(name_or_path)
-        if not path.is_file():
-            raise ModelNotFoundError(f"GGUF file not found: {path}")
-        model, tokenizer = _load_gguf(path, dtype)
-    else:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
-        except OSError as err:
-            raise ModelNotFoundError(
-                f"could not load {name_or_path!r} as a local directory or Hugging Face id ({err})"
-            ) from err
+    with _quiet_transformers():
+        if name_or_path is None or str(name_or_path) == DEFAULT_MODEL:
+            model, tokenizer = _load_gguf(default_model_gguf(), dtype)
+        elif str(name_or_path).endswith(".gguf"):
+            path = Path(name_or_path)
+            if not path.is_file():
+                raise ModelNotFoundError(f"GGUF file not found: {path}")
+            model, tokenizer = _load_gguf(path, dtype)
+        else:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+                model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+            except OSError as err:
+                raise ModelNotFoundError(
+                    f"could not load {name_or_path!r} as a local directory or Hugging Face id ({err})"
+                ) from err
     return model.to(device).eval(), tokenizer

@@ -1,34 +1,75 @@
-"""Observations: what a scorer may look at for one layer, and the observed prefill that makes them."""
+"""Observations: what a scorer may look at for one layer of one sequence, and the observed prefill that makes them.
+
+A scorer declares what it reads besides the entries (`Needs`); an observed prefill records exactly
+that, once, for every layer and sequence (`PrefillRecorder`, fed by sieve attention). An observation
+can also be built from a cache that was already evicted (`observe_cache`): every kv-head then has
+its own entries, padded to the longest head and marked by `valid`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedModel
 
-from .attention import UnhookableModelError, enable_sieve_attention
-from .cache import LayerStatistics, SievedCache, SievedLayer
+from .attention import UnhookableModelError, sieve_attention
+from .cache import SievedCache, SievedLayer
+from .segments import PAD_POSITION
 
-#: Queries at the end of the context that every observed prefill records.
+#: Queries at the end of the context that window scorers read by default.
 DEFAULT_WINDOW = 32
 
 #: `positions [n] -> (cos, sin)`, each `[n, head_dim]`: the model's rotary embedding.
 Rotary = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-@dataclass
-class AttentionRecorder:
-    """Collects the `LayerStatistics` of every layer during an observed prefill."""
+@dataclass(frozen=True)
+class Needs:
+    """What a scorer reads besides the entries' keys, values and positions.
 
-    window: int = DEFAULT_WINDOW
-    accumulate: bool = True
-    stats: dict[int, LayerStatistics] = field(default_factory=dict)
+    Attributes:
+        window: how many of the last prefill queries (after RoPE) it reads.
+        accumulated: whether it reads the attention each entry received from all prefill queries
+            (costs a materialised softmax instead of fused SDPA during the prefill).
+        output_projection: whether it reads the attention output projection `W_o`.
+        rotary: whether it reads the model's rotary embedding.
+    """
 
-    def __call__(self, layer_idx: int, stats: LayerStatistics) -> None:
-        if layer_idx in self.stats:
-            raise RuntimeError(f"layer {layer_idx} was observed twice in one prefill")
-        self.stats[layer_idx] = stats
+    window: int = 0
+    accumulated: bool = False
+    output_projection: bool = False
+    rotary: bool = False
+
+    def __or__(self, other: Needs) -> Needs:
+        return Needs(
+            window=max(self.window, other.window),
+            accumulated=self.accumulated or other.accumulated,
+            output_projection=self.output_projection or other.output_projection,
+            rotary=self.rotary or other.rotary,
+        )
+
+
+@dataclass(frozen=True)
+class Statistics:
+    """What an observed prefill recorded for one layer of one sequence.
+
+    Attributes:
+        scaling: the layer's softmax scale.
+        q_heads: query heads of the layer.
+        window_queries: `[q_heads, w, head_dim]` the last `w` queries, after RoPE, float32 (None if not needed).
+        window_positions: `[w]` their token positions.
+        received: `[q_heads, n]` attention each entry received, summed over all queries (None if not needed).
+        output_weight: the layer's output projection `[hidden, q_heads * head_dim]` (None if not needed).
+    """
+
+    scaling: float
+    q_heads: int
+    window_queries: torch.Tensor | None = None
+    window_positions: torch.Tensor | None = None
+    received: torch.Tensor | None = None
+    output_weight: torch.Tensor | None = None
 
 
 def causal_attention(
@@ -37,123 +78,104 @@ def causal_attention(
     keys: torch.Tensor,
     key_positions: torch.Tensor,
     scaling: float,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Softmax attention probabilities `[heads, q, n]` of `queries [heads, q, d]` over `keys [heads, n, d]`.
+    """Softmax attention `[heads, q, n]` of `queries [heads, q, d]` over `keys [heads, n, d]`.
 
-    A query sees the keys at or before its own position.
+    A query sees the valid keys at or before its own position (`key_positions`: `[n]` or `[heads, n]`).
     """
     scores = (queries.float() @ keys.float().transpose(-1, -2)) * scaling
-    scores = scores.masked_fill(key_positions[None, None, :] > query_positions[None, :, None], float("-inf"))
-    return torch.softmax(scores, dim=-1)
+    hidden = key_positions[..., None, :] > query_positions[..., :, None]
+    if valid is not None:
+        hidden = hidden | ~valid[..., None, :]
+    return torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Observation:
-    """What a scorer may look at for one layer, right after the prefill (nothing evicted yet).
+    """What a scorer may look at for one layer of one sequence.
 
     Attributes:
         layer_idx, num_layers: where the layer sits in the model.
-        positions: `[n]` original positions of the entries (identical for every kv-head).
-        received: `[q_heads, n]` attention each key received, summed over all prefill queries;
-            None when the prefill was observed with `accumulate=False`.
-        queries_seeing: `[n]` how many prefill queries could attend to each key (causality).
-        window_queries: `[q_heads, w, head_dim]` the last `w` queries of the prefill, after RoPE.
-        window_positions: `[w]` their positions.
-        scaling: the layer's softmax scale.
-        layer: the full-cache layer (keys after RoPE, values, per kv-head).
-        output_weight: the layer's output projection `[hidden, q_heads * head_dim]`, if any.
-        rotary: the model's rotary embedding, if any.
+        keys: `[kv_heads, n, head_dim]` keys after RoPE.
+        values: `[kv_heads, n, head_dim]` values.
+        positions: `[kv_heads, n]` token positions of the entries, increasing along each head (-1 where
+            no entry is).
+        valid: `[kv_heads, n]` which entries exist, or None when all do (heads of an evicted
+            cache hold different numbers of entries and are padded to the longest).
+        stats: what the prefill recorded (see `Statistics`).
+        rotary: the model's rotary embedding, if a scorer needs it.
     """
 
     layer_idx: int
     num_layers: int
+    keys: torch.Tensor
+    values: torch.Tensor
     positions: torch.Tensor
-    received: torch.Tensor | None
-    queries_seeing: torch.Tensor
-    window_queries: torch.Tensor
-    window_positions: torch.Tensor
-    scaling: float
-    layer: SievedLayer
-    output_weight: torch.Tensor | None = None
+    valid: torch.Tensor | None
+    stats: Statistics
     rotary: Rotary | None = None
 
     @property
-    def window(self) -> int:
-        """How many of the last queries were recorded."""
-        return int(self.window_queries.shape[1])
+    def num_kv_heads(self) -> int:
+        return int(self.keys.shape[0])
 
     @property
-    def num_kv_heads(self) -> int:
-        return len(self.layer.head_keys)
+    def length(self) -> int:
+        return int(self.keys.shape[1])
 
     @property
     def group(self) -> int:
         """Query heads per kv-head."""
-        return self.window_queries.shape[0] // self.num_kv_heads
+        return self.stats.q_heads // self.num_kv_heads
 
     @property
-    def length(self) -> int:
-        return int(self.positions.numel())
+    def scaling(self) -> float:
+        return self.stats.scaling
 
     @property
-    def keys(self) -> torch.Tensor:
-        """`[kv_heads, n, head_dim]` keys after RoPE (a fresh stacked copy)."""
-        return torch.stack([k[0] for k in self.layer.head_keys])
+    def valid_mask(self) -> torch.Tensor:
+        """`[kv_heads, n]` bool: which entries exist."""
+        if self.valid is None:
+            return torch.ones(self.keys.shape[:2], dtype=torch.bool, device=self.keys.device)
+        return self.valid
 
-    @property
-    def values(self) -> torch.Tensor:
-        """`[kv_heads, n, head_dim]` values (a fresh stacked copy)."""
-        return torch.stack([v[0] for v in self.layer.head_values])
+    def received(self, who: str) -> torch.Tensor:
+        """`[q_heads, n]` attention each entry received from all prefill queries, or a clear error."""
+        if self.stats.received is None:
+            raise ValueError(f"{who} needs the attention accumulated over all prefill queries (Needs.accumulated)")
+        return self.stats.received
 
-    def require_received(self, who: str) -> torch.Tensor:
-        """`received`, or a clear error when the prefill did not accumulate it."""
-        if self.received is None:
-            raise ValueError(f"{who} needs the attention accumulated over all queries: observe with accumulate=True")
-        return self.received
+    def queries_seeing(self) -> torch.Tensor:
+        """`[kv_heads, n]` how many prefill queries could attend to each entry (every prefill token is a query)."""
+        return (self.valid_mask.sum(dim=-1, keepdim=True) - self.positions).clamp(min=1)
 
     def queries(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last `window` recorded queries `[q_heads, w, d]` and their positions."""
-        if window > self.window:
-            raise ValueError(f"window={window} needs a prefill observed with window >= {window}, got {self.window}")
-        return self.window_queries[:, -window:], self.window_positions[-window:]
+        """The last `window` recorded queries `[q_heads, w, d]` and their positions `[w]`."""
+        recorded = self.stats.window_queries
+        if recorded is None or window > recorded.shape[1]:
+            have = 0 if recorded is None else recorded.shape[1]
+            raise ValueError(f"window={window} needs the last {window} prefill queries; {have} were recorded")
+        return recorded[:, -window:], self.stats.window_positions[-window:]
 
     def window_attention(self, window: int) -> torch.Tensor:
         """`[q_heads, w, n]` attention probabilities of the last `window` queries (exact, recomputed)."""
         queries, query_positions = self.queries(window)
         keys = self.keys.repeat_interleave(self.group, dim=0)
-        return causal_attention(queries, query_positions, keys, self.positions, self.scaling)
+        positions = self.positions.repeat_interleave(self.group, dim=0)
+        valid = None if self.valid is None else self.valid.repeat_interleave(self.group, dim=0)
+        return causal_attention(queries, query_positions, keys, positions, self.scaling, valid)
 
     def per_kv_head(self, per_query_head: torch.Tensor) -> torch.Tensor:
         """Sum a `[q_heads, ...]` statistic over the query heads that share each kv-head."""
         return per_query_head.unflatten(0, (self.num_kv_heads, -1)).sum(dim=1)
 
 
-@dataclass
-class Prefill:
-    """A full-cache prefill and its observations: one serves every (policy, rate) pair."""
-
-    cache: SievedCache
-    observations: list[Observation]
-    last_logits: torch.Tensor
-
-
-def _check_input_ids(input_ids: torch.Tensor) -> None:
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long or input_ids.ndim != 2:
-        raise ValueError("input_ids must be a LongTensor of shape [1, tokens]")
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"batch size {input_ids.shape[0]} is not supported: kvsieve compresses one sequence at a time "
-            "(each sequence keeps its own entries)"
-        )
-    if input_ids.shape[1] == 0:
-        raise ValueError("input_ids is empty")
-
-
-def find_rotary(model: torch.nn.Module) -> Rotary | None:
-    """The model's rotary embedding as `positions -> (cos, sin)`, or None if it has none."""
-    module = getattr(getattr(model, "base_model", model), "rotary_emb", None)
+def find_rotary(model: torch.nn.Module) -> Rotary:
+    """The model's rotary embedding as `positions -> (cos, sin)`, or a clear error if it has none."""
+    module = getattr(model.base_model, "rotary_emb", None)
     if module is None:
-        return None
+        raise ValueError(f"{type(model).__name__} has no rotary embedding (rotary_emb), which the scorer needs")
 
     def rotary(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
@@ -163,56 +185,210 @@ def find_rotary(model: torch.nn.Module) -> Rotary | None:
     return rotary
 
 
+def output_projection(module: torch.nn.Module) -> torch.Tensor:
+    """The attention output projection weight `[hidden, q_heads * head_dim]`, or a clear error."""
+    projection = getattr(module, "o_proj", None)
+    if not isinstance(projection, torch.nn.Linear):
+        raise ValueError(f"{type(module).__name__} has no output projection (o_proj), which the scorer needs")
+    return projection.weight.detach()
+
+
+class PrefillRecorder:
+    """Collects what a scorer `Needs` from every layer of an observed prefill, per sequence.
+
+    Args:
+        needs: what to record.
+        real: `[rows, n]` bool, the real (non-padding) tokens of every sequence.
+    """
+
+    def __init__(self, needs: Needs, real: torch.Tensor) -> None:
+        self.needs = needs
+        self.accumulate = needs.accumulated
+        self.real = real
+        self.padded = not bool(real.all())
+        self.query_weight = real.float() if self.padded else None
+        self.counts = real.sum(dim=1)
+        window = min(needs.window, int(self.counts.min()))
+        # cache positions of each row's last `window` real tokens, and their token positions
+        self.window_index = torch.stack([row.nonzero().flatten()[-window:] for row in real]) if window else None
+        self.layers: dict[int, list[Statistics]] = {}
+
+    def record(
+        self,
+        layer_idx: int,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        scaling: float,
+        received: torch.Tensor | None,
+    ) -> None:
+        if layer_idx in self.layers:
+            raise RuntimeError(f"layer {layer_idx} was observed twice in one prefill")
+        weight = output_projection(module) if self.needs.output_projection else None
+        rows = []
+        for row in range(query.shape[0]):
+            window_queries = window_positions = None
+            if self.window_index is not None:
+                window_queries = query[row][:, self.window_index[row]].float()
+                window_positions = torch.arange(int(self.counts[row]), device=query.device)[-window_queries.shape[1] :]
+            row_received = None
+            if received is not None:
+                row_received = received[row][:, self.real[row]] if self.padded else received[row]
+            rows.append(
+                Statistics(
+                    scaling=scaling,
+                    q_heads=query.shape[1],
+                    window_queries=window_queries,
+                    window_positions=window_positions,
+                    received=row_received,
+                    output_weight=weight,
+                )
+            )
+        self.layers[layer_idx] = rows
+
+
+@dataclass
+class Prefill:
+    """A full-cache prefill and its observations: one serves every (policy, rate) pair.
+
+    Attributes:
+        cache: the full cache (every token of every sequence, padding included).
+        observations: `[row][layer]` the observation of each sequence's real tokens.
+        entries: per row, the stored index of each observed entry (None: the identity).
+        last_logits: `[rows, vocab]` logits of each sequence's last real token.
+    """
+
+    cache: SievedCache
+    observations: list[list[Observation]]
+    entries: list[torch.Tensor | None]
+    last_logits: torch.Tensor
+
+    def stored(self, row: int, keep: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Keep indices over a row's observed entries, as indices of its stored entries."""
+        entries = self.entries[row]
+        if entries is None:
+            return [list(layer) for layer in keep]
+        return [[entries[index] for index in layer] for layer in keep]
+
+
+def check_input_ids(model: torch.nn.Module, input_ids: torch.Tensor, what: str = "input_ids") -> None:
+    """A clear error for ids that are not a `[batch, tokens]` LongTensor of the model's vocabulary."""
+    if not isinstance(model, PreTrainedModel):
+        raise UnhookableModelError(f"{type(model).__name__} is not a transformers PreTrainedModel")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long or input_ids.ndim != 2:
+        raise ValueError(f"{what} must be a LongTensor of shape [batch, tokens]")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"{what} is empty (shape {tuple(input_ids.shape)})")
+    vocab = model.get_input_embeddings().num_embeddings
+    bad = input_ids[(input_ids < 0) | (input_ids >= vocab)]
+    if bad.numel():
+        outside = bad.unique()[:8].tolist()
+        raise ValueError(f"{what} holds token ids outside the model's vocabulary of {vocab}: {outside}")
+
+
+def real_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """`[rows, n]` bool: the real tokens (1 in `attention_mask`), with a clear error for a bad mask."""
+    if attention_mask is None:
+        return torch.ones_like(input_ids, dtype=torch.bool)
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+        raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}")
+    real = attention_mask.to(device=input_ids.device).bool()
+    empty = (~real.any(dim=1)).nonzero().flatten()
+    if empty.numel():
+        raise ValueError(f"sequence(s) {empty.tolist()} of the batch have no real token (attention_mask all 0)")
+    return real
+
+
+def _last_logits(model: torch.nn.Module, call: Callable[..., torch.Tensor], real: torch.Tensor) -> torch.Tensor:
+    """Logits `[rows, vocab]` of each row's last real token, computing the head only where needed."""
+    last = torch.stack([row.nonzero().flatten()[-1] for row in real])
+    columns, where = last.unique(return_inverse=True)
+    logits = call(logits_to_keep=columns if columns.numel() > 1 else int(real.shape[1] - columns[0]))
+    return logits[torch.arange(real.shape[0], device=logits.device), where]
+
+
 @torch.no_grad()
 def observe_prefill(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
-    window: int = DEFAULT_WINDOW,
-    accumulate: bool = True,
+    needs: Needs | None = None,
+    *,
+    attention_mask: torch.Tensor | None = None,
 ) -> Prefill:
-    """Run one full-cache prefill with sieve attention and collect an `Observation` per layer.
+    """Run one full-cache prefill with sieve attention and observe every layer of every sequence.
 
     Args:
-        window: how many of the last queries to record.
-        accumulate: also sum the attention every key receives from all queries (needed by
-            `importance`, `h2o`, `vatp`; costs a materialised softmax instead of fused SDPA).
+        input_ids: `[rows, n]`; padded sequences (left or right) need `attention_mask`.
+        needs: what to record besides the entries (default: the last `DEFAULT_WINDOW` queries).
+        attention_mask: `[rows, n]`, 1 for real tokens and 0 for padding.
     """
-    _check_input_ids(input_ids)
-    if window < 1:
-        raise ValueError(f"the observation window must be >= 1, got {window}")
-    enable_sieve_attention(model)
-    recorder = AttentionRecorder(window=window, accumulate=accumulate)
+    needs = Needs(window=DEFAULT_WINDOW) if needs is None else needs
+    if needs.window < 0:
+        raise ValueError(f"the observation window must be >= 0, got {needs.window}")
+    check_input_ids(model, input_ids)
+    real = real_tokens(input_ids, attention_mask)
+    recorder = PrefillRecorder(needs, real)
     cache = SievedCache()
     cache.recorder = recorder
+    inputs = {"input_ids": input_ids, "past_key_values": cache, "use_cache": True}
+    if recorder.padded:
+        inputs |= {"attention_mask": real.long(), "position_ids": (real.long().cumsum(-1) - 1).clamp(min=0)}
     try:
-        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        with sieve_attention(model):
+            last_logits = _last_logits(model, lambda **extra: model(**inputs, **extra).logits, real)
     finally:
         cache.recorder = None
     num_layers = len(cache.layers)
-    if num_layers == 0 or sorted(recorder.stats) != list(range(num_layers)):
+    if num_layers == 0 or sorted(recorder.layers) != list(range(num_layers)):
         raise UnhookableModelError(
-            f"{type(model).__name__}: sieve attention saw {len(recorder.stats)} of {num_layers} cached layers; "
+            f"{type(model).__name__}: sieve attention saw {len(recorder.layers)} of {num_layers} cached layers; "
             "its attention does not go through the transformers attention interface"
         )
-    rotary = find_rotary(model)
+    rotary = find_rotary(model) if needs.rotary else None
+    entries = [row.nonzero().flatten() if recorder.padded else None for row in real]
+    observations = [
+        [
+            _prefill_observation(layer, row, entries[row], recorder.layers[idx][row], idx, num_layers, rotary)
+            for idx, layer in enumerate(cache.layers)
+        ]
+        for row in range(input_ids.shape[0])
+    ]
+    return Prefill(cache=cache, observations=observations, entries=entries, last_logits=last_logits)
+
+
+def _prefill_observation(
+    layer: SievedLayer,
+    row: int,
+    entries: torch.Tensor | None,
+    stats: Statistics,
+    layer_idx: int,
+    num_layers: int,
+    rotary: Rotary | None,
+) -> Observation:
+    """The observation of one row's real tokens in a freshly prefilled (strided, unevicted) layer."""
+    view = layer.segments.padded()
+    keys, values = view.keys[row], view.values[row]
+    if entries is not None:
+        keys, values = keys[:, entries], values[:, entries]
+    positions = torch.arange(keys.shape[1], device=keys.device).expand(keys.shape[0], -1)
+    return Observation(layer_idx, num_layers, keys, values, positions, None, stats, rotary)
+
+
+def observe_cache(model: torch.nn.Module, cache: SievedCache, row: int = 0) -> list[Observation]:
+    """Observations of the entries a (possibly evicted) cache holds for one sequence, one per layer.
+
+    Nothing is recomputed: scorers that read only keys, values and positions work on them;
+    scorers that read prefill queries or accumulated attention raise a clear error.
+    """
+    modules = [layer.self_attn for layer in model.base_model.layers]
     observations = []
-    for layer_idx, layer in enumerate(cache.layers):
-        positions = layer.head_positions[0]
-        seeing = positions.numel() - torch.searchsorted(positions, positions)  # every prefill token is a query
-        stats = recorder.stats[layer_idx]
+    for idx, (layer, module) in enumerate(zip(cache.layers, modules, strict=False)):
+        view = layer.segments.padded()
+        positions = view.slots.positions()[row]
+        valid = positions != PAD_POSITION
+        positions = positions.masked_fill(~valid, -1)
+        stats = Statistics(scaling=module.scaling, q_heads=module.config.num_attention_heads)
         observations.append(
-            Observation(
-                layer_idx=layer_idx,
-                num_layers=num_layers,
-                positions=positions,
-                received=stats.received,
-                queries_seeing=seeing,
-                window_queries=stats.window_queries,
-                window_positions=stats.window_positions,
-                scaling=stats.scaling,
-                layer=layer,
-                output_weight=stats.output_weight,
-                rotary=rotary,
-            )
+            Observation(idx, len(cache.layers), view.keys[row], view.values[row], positions, valid, stats)
         )
-    return Prefill(cache=cache, observations=observations, last_logits=out.logits[:, -1])
+    return observations

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .allocators import ALLOCATORS, Allocator, Uniform, keep_indices
-from .observe import DEFAULT_WINDOW, Observation
+from .observe import Needs, Observation
 from .scorers import SCORERS, Scorer
 
 DEFAULT_N_SINK = 1
@@ -28,17 +28,16 @@ def check_rate(rate: float) -> float:
 
 
 def protected_mask(
-    positions: torch.Tensor,
-    seen_tokens: int,
-    n_sink: int,
-    sliding_window: int,
-    protect_positions: torch.Tensor | None = None,
+    obs: Observation, n_sink: int, sliding_window: int, protect_positions: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`[n]` bool: sinks (first `n_sink` positions), the last `sliding_window` positions, and caller-given ones."""
-    mask = (positions < n_sink) | (positions >= seen_tokens - sliding_window)
+    """`[kv_heads, n]` bool: each head's first `n_sink` and last `sliding_window` entries, and the given positions."""
+    valid = obs.valid_mask
+    rank = valid.cumsum(dim=-1) - 1
+    count = valid.sum(dim=-1, keepdim=True)
+    mask = (rank < n_sink) | (rank >= count - sliding_window)
     if protect_positions is not None:
-        mask |= torch.isin(positions, protect_positions.to(positions.device))
-    return mask
+        mask |= torch.isin(obs.positions, protect_positions.to(obs.positions.device))
+    return mask & valid
 
 
 def _format(value: object) -> str:
@@ -46,6 +45,8 @@ def _format(value: object) -> str:
 
 
 def _non_defaults(obj: object) -> list[str]:
+    if not dataclasses.is_dataclass(obj):
+        return []
     return [
         f"{f.name}={_format(getattr(obj, f.name))}"
         for f in dataclasses.fields(obj)
@@ -79,14 +80,9 @@ class Policy:
         return f"{head}:{','.join(params)}" if params else head
 
     @property
-    def observation_window(self) -> int:
-        """How many of the last prefill queries the observation must record for this policy."""
-        return max(DEFAULT_WINDOW, getattr(self.scorer, "window", DEFAULT_WINDOW))
-
-    @property
-    def needs_accumulated(self) -> bool:
-        """Whether the prefill must sum the attention each key receives from all queries."""
-        return self.scorer.needs_accumulated
+    def needs(self) -> Needs:
+        """What the observed prefill must record for this policy."""
+        return self.scorer.needs
 
     @torch.no_grad()
     def keep_indices(
@@ -95,16 +91,13 @@ class Policy:
         rate: float,
         protect_positions: torch.Tensor | None = None,
     ) -> list[list[torch.Tensor]]:
-        """Indices of the stored entries to keep, per layer and kv-head."""
+        """Indices of the observed entries of one sequence to keep, per layer and kv-head."""
         rate = check_rate(rate)
-        seen = int(observations[0].positions.max()) + 1
-        protected = [
-            protected_mask(o.positions, seen, self.n_sink, self.sliding_window, protect_positions) for o in observations
-        ]
-        n_evictable = int((~protected[0]).sum())
-        if rate > 0 and n_evictable == 0:
+        protected = [protected_mask(o, self.n_sink, self.sliding_window, protect_positions) for o in observations]
+        evictable = [o.valid_mask & ~p for o, p in zip(observations, protected, strict=True)]
+        if rate > 0 and not any(bool(e.any()) for e in evictable):
             raise PolicyError(
-                f"nothing to evict: the context has {seen} tokens and all are protected "
+                f"nothing to evict: the sequence has {observations[0].length} tokens and all are protected "
                 f"(n_sink={self.n_sink}, sliding_window={self.sliding_window}); "
                 "use a longer context or less protection"
             )
@@ -115,8 +108,8 @@ class Policy:
                     f"{self.scorer.name} returned scores of shape {tuple(s.shape)} for layer {o.layer_idx}, "
                     f"expected {(o.num_kv_heads, o.length)}"
                 )
-        counts = self.allocator.counts(scores, protected, rate)
-        return [keep_indices(s, p, c) for s, p, c in zip(scores, protected, counts, strict=True)]
+        counts = self.allocator.counts(scores, evictable, rate)
+        return [keep_indices(*args) for args in zip(scores, protected, evictable, counts, strict=True)]
 
 
 _POLICY_DEFAULTS = {"n_sink": DEFAULT_N_SINK, "sliding_window": DEFAULT_SLIDING_WINDOW}

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,10 +33,9 @@ from typing import Any
 import torch
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..allocators import evicted_count
-from ..attention import ATTENTION_NAME, sieve_attention_forward
+from ..attention import attention_implementation
 from ..policy import check_rate
 
 #: The presses this adapter runs, by kvsieve name.
@@ -65,25 +63,11 @@ _BITS_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def import_kvpress() -> ModuleType:
-    """Import kvpress (or say how to install it) without letting it break attention functions of others.
-
-    On import, kvpress wraps every attention function registered at that moment with its AdaKV
-    masking. The wrapper is written for transformers' own functions: it reads `key.shape` and
-    passes `dropout` as the sixth positional argument. Functions registered by others (kvsieve's
-    "sieve", which receives ragged per-head views, or a user's) would break, so they get their
-    unwrapped selves back; transformers' own functions keep kvpress's masking.
-    """
-    first_import = "kvpress" not in sys.modules
-    before = {name: ALL_ATTENTION_FUNCTIONS[name] for name in ALL_ATTENTION_FUNCTIONS} if first_import else {}
+    """Import kvpress, or say how to install it."""
     try:
         import kvpress
     except ImportError as err:
         raise ImportError(f"kvpress is not installed; install the comparison extra: {INSTALL_HINT}") from err
-    for name, function in before.items():
-        if not getattr(function, "__module__", "").startswith("transformers."):
-            ALL_ATTENTION_FUNCTIONS[name] = function
-    if ATTENTION_NAME in ALL_ATTENTION_FUNCTIONS:  # kvpress may have been imported after "sieve" was registered
-        ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] = sieve_attention_forward
     return kvpress
 
 
@@ -222,19 +206,6 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@contextlib.contextmanager
-def _attention(model: torch.nn.Module, implementation: str) -> Iterator[None]:
-    """Run the block with `model` on `implementation`, then restore what it used before."""
-    previous = model.config._attn_implementation
-    if previous != implementation:
-        model.set_attn_implementation(implementation)
-    try:
-        yield
-    finally:
-        if model.config._attn_implementation != previous:
-            model.set_attn_implementation(previous)
-
-
 @dataclass(frozen=True)
 class PressedCache:
     """A context compressed by a kvpress press, and what it costs.
@@ -266,7 +237,7 @@ class PressedCache:
         """
         import_kvpress()  # the AdaKV masking lives in kvpress's patched attention functions
         modules = _attention_modules(model)
-        with _attention(model, KVPRESS_ATTENTION):
+        with attention_implementation(model, KVPRESS_ATTENTION):
             try:
                 for layer_idx, module in enumerate(modules):
                     module.masked_key_indices = self.masked_key_indices.get(layer_idx)
@@ -347,7 +318,7 @@ def kvpress_compress(
     had_rotary = [hasattr(module, "rotary_emb") for module in modules]  # kvpress attaches one to each layer
     implementation = "eager" if press in EAGER_PRESSES else KVPRESS_ATTENTION
     try:
-        with _attention(model, implementation):
+        with attention_implementation(model, implementation):
             _synchronize(context_ids.device)
             start = time.perf_counter()
             with pressed(model):

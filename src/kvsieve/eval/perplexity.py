@@ -1,15 +1,19 @@
 """Perplexity degradation protocol (DESIGN §4), "prefill once, sieve many".
 
 For each document of `prefix + continuation + 1` tokens: prefill the first `prefix` tokens
-once (full cache, observed), then for every (policy, rate) evict from a copy of that cache
-and feed the next `continuation` tokens teacher-forced at their true positions. Each fed
-token predicts the one after it, so all `continuation` scored tokens are predicted through
-the compressed cache. PPL is pooled over every scored token of every document.
+once (full cache, observed), then for every (policy, rate) evict from that prefill and feed the
+next `continuation` tokens teacher-forced at their true positions. Each fed token predicts the
+one after it, so all `continuation` scored tokens are predicted through the compressed cache.
+The configurations of a document are fed as rows of one batch (`rows_per_pass` at a time),
+each row a different eviction of the same prefill. PPL is pooled over every scored token of
+every document.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -20,13 +24,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..apply import Eviction, evictions
+from ..attention import sieve_attention
 from ..cache import SievedCache
-from ..observe import observe_prefill
+from ..observe import Needs, observe_prefill
 from ..policy import Policy, check_rate, make_policy
 from .stats import bootstrap_delta_ci, pooled_delta_pct, pooled_ppl
 
 #: Called after each (document, configuration) with (done, total).
 Progress = Callable[[int, int], None]
+
+#: Configurations fed together as rows of one batch (one prefill, many evictions).
+ROWS_PER_PASS = 4
 
 
 @dataclass
@@ -84,15 +93,18 @@ class PplResult:
 
 
 @torch.no_grad()
-def continuation_nll(model: torch.nn.Module, cache: SievedCache, ids: torch.Tensor) -> float:
-    """Sum of NLL of `ids[:, 1:]` when `ids[:, :-1]` is fed after `cache`, teacher-forced."""
-    logits = model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True).logits
-    return float(F.cross_entropy(logits[0].float(), ids[0, 1:], reduction="sum"))
+def continuation_nll(model: torch.nn.Module, cache: SievedCache, ids: torch.Tensor) -> list[float]:
+    """Per row of `cache`: the sum of NLL of `ids[:, 1:]` when `ids[:, :-1]` is fed after it, teacher-forced."""
+    feed = ids.expand(cache.batch_size, -1)
+    with sieve_attention(model):
+        logits = model(input_ids=feed[:, :-1], past_key_values=cache, use_cache=True).logits
+    nll = F.cross_entropy(logits.float().transpose(1, 2), feed[:, 1:], reduction="none")
+    return nll.sum(dim=1).tolist()
 
 
 def per_document_policy(policy: Policy, doc_index: int) -> Policy:
     """Seeded scorers draw fresh randomness for every document."""
-    if any(f.name == "seed" for f in dataclasses.fields(policy.scorer)):
+    if dataclasses.is_dataclass(policy.scorer) and any(f.name == "seed" for f in dataclasses.fields(policy.scorer)):
         scorer = dataclasses.replace(policy.scorer, seed=policy.scorer.seed * 10_007 + doc_index)
         return dataclasses.replace(policy, scorer=scorer)
     return policy
@@ -106,22 +118,28 @@ def run_ppl(
     prefix: int = 1024,
     continuation: int = 512,
     *,
+    rows_per_pass: int = ROWS_PER_PASS,
     reprefill: bool = False,
     progress: Progress | None = None,
 ) -> PplResult:
-    """Run the perplexity protocol; `reprefill=True` re-runs the prefill for every configuration (for timing)."""
+    """Run the perplexity protocol.
+
+    Args:
+        rows_per_pass: configurations fed together as one batch (1: one at a time).
+        reprefill: re-run the prefill for every configuration and feed them one at a time, as a
+            library that compresses during the prefill must (for timing; the numbers are the same).
+    """
     resolved = [make_policy(p) for p in policies]
     rates = [check_rate(r) for r in rates]
-    observe = {
-        "window": max(p.observation_window for p in resolved),
-        "accumulate": any(p.needs_accumulated for p in resolved),
-    }
+    if rows_per_pass < 1:
+        raise ValueError(f"rows_per_pass must be >= 1, got {rows_per_pass}")
     for name, ids in documents:
         if ids.shape[-1] < prefix + continuation + 1:
             raise ValueError(f"document {name!r} has {ids.shape[-1]} tokens, needs {prefix + continuation + 1}")
     names = [p.name for p in resolved]
     if len(set(names)) != len(names):
         raise ValueError(f"policy names must be distinct, got {names}")
+    needs = functools.reduce(operator.or_, (p.needs for p in resolved), Needs())
     result = PplResult(names, list(rates), prefix, continuation, [name for name, _ in documents])
     timers = {"prefill": 0.0, "evict": 0.0, "continuation": 0.0}
 
@@ -131,36 +149,33 @@ def run_ppl(
         yield
         timers[stage] += time.perf_counter() - tick
 
-    total = len(documents) * (1 + len(resolved) * len(rates))
-    done = 0
-
-    def step() -> None:
-        nonlocal done
-        done += 1
-        if progress:
-            progress(done, total)
-
+    configurations = [(None, 0.0)] + [(p, r) for p in resolved for r in rates]
+    total, done = len(documents) * len(configurations), 0
+    group = 1 if reprefill else rows_per_pass
     start = time.perf_counter()
     for doc_index, (_, ids) in enumerate(documents):
         context, feed = ids[:, :prefix], ids[:, prefix : prefix + continuation + 1]
         with timed("prefill"):
-            prefill = observe_prefill(model, context, **observe)
-        with timed("continuation"):
-            result.nll_full.append(continuation_nll(model, prefill.cache.copy(), feed))
-            result.kv_bytes_full.append(prefill.cache.nbytes())
-        step()
-
-        for policy in resolved:
-            doc_policy = per_document_policy(policy, doc_index)
-            for rate in rates:
-                if reprefill:
-                    with timed("prefill"):
-                        prefill = observe_prefill(model, context, **observe)
-                with timed("evict"):
-                    cache = prefill.cache.keep(doc_policy.keep_indices(prefill.observations, rate))
-                with timed("continuation"):
-                    result.kv_bytes.setdefault((policy.name, rate), []).append(cache.nbytes())
-                    result.nll.setdefault((policy.name, rate), []).append(continuation_nll(model, cache, feed))
-                step()
+            prefill = observe_prefill(model, context, needs)
+        for first in range(0, len(configurations), group):
+            batch = configurations[first : first + group]
+            if reprefill and first:
+                with timed("prefill"):
+                    prefill = observe_prefill(model, context, needs)
+            plans = [Eviction(None if p is None else per_document_policy(p, doc_index), rate) for p, rate in batch]
+            with timed("evict"):
+                cache = evictions(prefill, plans)
+            with timed("continuation"):
+                nll = continuation_nll(model, cache, feed)
+            for row, ((policy, rate), value) in enumerate(zip(batch, nll, strict=True)):
+                if policy is None:
+                    result.nll_full.append(value)
+                    result.kv_bytes_full.append(cache.row_nbytes(row))
+                else:
+                    result.nll.setdefault((policy.name, rate), []).append(value)
+                    result.kv_bytes.setdefault((policy.name, rate), []).append(cache.row_nbytes(row))
+            done += len(batch)
+            if progress:
+                progress(done, total)
     result.seconds = {**timers, "total": time.perf_counter() - start}
     return result

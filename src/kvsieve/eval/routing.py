@@ -35,8 +35,8 @@ SCOPES: tuple[str, ...] = ("layer", "model")
 EvidencePositions = torch.Tensor | Sequence[int]
 
 
-def survival_from_cache(cache: SievedCache, n_context: int) -> torch.Tensor:
-    """`[layers, kv_heads, n_context]` bool: whether (layer, kv-head, position) is still stored.
+def survival_from_cache(cache: SievedCache, n_context: int, row: int = 0) -> torch.Tensor:
+    """`[layers, kv_heads, n_context]` bool: whether (layer, kv-head, position) is still stored for sequence `row`.
 
     Stored entries at positions `>= n_context` (a question, generated tokens) are ignored.
     """
@@ -44,12 +44,13 @@ def survival_from_cache(cache: SievedCache, n_context: int) -> torch.Tensor:
         raise ValueError(f"n_context must be >= 0, got {n_context}")
     if len(cache.layers) == 0:
         raise ValueError("the cache is empty: prefill it before asking which entries survive")
-    heads = {len(cache.kept_positions(layer)) for layer in range(len(cache.layers))}
+    kept = [cache.kept_positions(layer, row) for layer in range(len(cache.layers))]
+    heads = {len(per_head) for per_head in kept}
     if len(heads) != 1:
         raise ValueError(f"layers hold different numbers of kv-heads {sorted(heads)}; survival needs one number")
     survival = torch.zeros(len(cache.layers), heads.pop(), n_context, dtype=torch.bool)
-    for layer in range(len(cache.layers)):
-        for head, positions in enumerate(cache.kept_positions(layer)):
+    for layer, per_head in enumerate(kept):
+        for head, positions in enumerate(per_head):
             positions = positions.cpu()
             survival[layer, head, positions[(positions >= 0) & (positions < n_context)]] = True
     return survival

@@ -3,8 +3,10 @@
 For every sample and mode the context is prefilled once with sieve attention (observed); every
 kvsieve (policy, rate) then evicts from that prefill, as in the perplexity protocol ("prefill
 once, sieve many"). kvpress presses compress during their own prefill, so they re-prefill for
-every configuration, as kvpress does. Each configuration's answer is generated greedily and the
-gold answer teacher-forced; each row also carries the routing diagnostics of its survival mask.
+every configuration, as kvpress does. The kvsieve configurations of a sample are answered
+together: one batch whose rows are the different evictions of the one prefill, one greedy
+`generate` and one teacher-forced pass for all of them. Each row also carries the routing
+diagnostics of its survival mask.
 
 Rows are appended to a JSONL file as they are made; a sweep restarted on the same file skips
 the rows it already holds, so an interrupted sweep resumes where it stopped.
@@ -12,12 +14,14 @@ the rows it already holds, so an interrupted sweep resumes where it stopped.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import operator
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +29,10 @@ import pandas as pd
 import torch
 from transformers import Cache
 
-from ..apply import question_protection
+from ..apply import Eviction, evictions, question_protection
+from ..attention import sieve_attention
 from ..data.sample import EncodedSample, TaskSample, encode
-from ..observe import DEFAULT_WINDOW, Prefill, observe_prefill
+from ..observe import Needs, Prefill, observe_prefill
 from ..policy import DEFAULT_N_SINK, DEFAULT_SLIDING_WINDOW, check_rate
 from .answers import judge
 from .contenders import Contender, parse_contenders
@@ -40,6 +45,9 @@ MODES = ("agnostic", "aware")
 
 #: Called after each configuration with (done, total).
 Progress = Callable[[int, int], None]
+
+#: kvsieve configurations of a sample answered together as one batch (one prefill, many evictions).
+ROWS_PER_PASS = 16
 
 
 def check_modes(modes: Sequence[str]) -> list[str]:
@@ -93,55 +101,71 @@ def _configurations(contenders: Sequence[Contender], rates: Sequence[float]) -> 
 
 @dataclass
 class Compressed:
-    """One configuration's cache, ready to answer from.
+    """Configurations' caches, ready to answer from: row `i` of `cache` is configuration `i`.
 
     Attributes:
         cache: the cache to continue from.
-        kv_bytes: bytes of keys and values the cache really holds.
-        survival: `[layers, kv_heads, n_context]` bool, the context entries decoding can still attend to.
-        decoding: what must be active while decoding from it (kvpress's masking; else nothing).
+        kv_bytes: per row, bytes of keys and values the cache really holds.
+        survival: per row, `[layers, kv_heads, n_context]` bool: the context entries decoding can still attend to.
+        decoding: what must be active while decoding from it (sieve attention, or kvpress's masking).
         max_feed: the most tokens one forward may feed (see `PressedCache.max_feed`).
     """
 
     cache: Cache
-    kv_bytes: int
-    survival: torch.Tensor
-    decoding: AbstractContextManager = field(default_factory=nullcontext)
+    kv_bytes: list[int]
+    survival: list[torch.Tensor]
+    decoding: AbstractContextManager
     max_feed: int | None = None
 
 
-def compress_configuration(
-    model: torch.nn.Module, encoded: EncodedSample, mode: str, prefill: Prefill, contender: Contender, rate: float
+def compress_configurations(
+    model: torch.nn.Module,
+    encoded: EncodedSample,
+    mode: str,
+    prefill: Prefill,
+    todo: Sequence[tuple[Contender, float]],
 ) -> Compressed:
-    """Compress one sample for one (contender, rate): kvsieve evicts from `prefill`, kvpress re-prefills."""
+    """Compress one sample for several (contender, rate) pairs.
+
+    kvsieve configurations become the rows of one batch evicted from `prefill`; a kvpress press
+    re-prefills the sample on its own (one configuration at a time).
+    """
     n_context = encoded.context_length
-    if contender.library == "kvpress":
+    if any(c.library == "kvpress" for c, _ in todo):
+        if len(todo) != 1:
+            raise ValueError("kvpress configurations are compressed one at a time")
         from ..compare.kvpress import kvpress_compress
 
-        prefilled, _ = split_prompt(encoded, mode)
+        (contender, rate), (prefilled, _) = todo[0], split_prompt(encoded, mode)
         n_protected = DEFAULT_N_SINK + DEFAULT_SLIDING_WINDOW + (prefilled.shape[1] - n_context)
         pressed = kvpress_compress(model, prefilled, contender.press, rate, n_protected=n_protected)
         visible = pressed.visible[..., :n_context]
-        return Compressed(pressed.cache, pressed.kv_bytes, visible, pressed.decoding(model), pressed.max_feed)
-    if contender.is_full:
-        cache = prefill.cache.copy()
-    else:
+        return Compressed(pressed.cache, [pressed.kv_bytes], [visible], pressed.decoding(model), pressed.max_feed)
+    plans = []
+    for contender, rate in todo:
+        if contender.is_full:
+            plans.append(Eviction(None))
+            continue
         policy = per_document_policy(contender.policy, encoded.sample.index)
         protect = None
         if mode == "aware":
             n_question = encoded.question_ids.shape[1] - 1
             protect = question_protection(n_context, n_question, policy.sliding_window)
-        cache = prefill.cache.keep(policy.keep_indices(prefill.observations, rate, protect))
-    return Compressed(cache, cache.nbytes(), survival_from_cache(cache, n_context))
+        plans.append(Eviction(policy, rate, protect))
+    cache = evictions(prefill, plans)
+    rows = range(len(plans))
+    return Compressed(
+        cache,
+        [cache.row_nbytes(row) for row in rows],
+        [survival_from_cache(cache, n_context, row) for row in rows],
+        sieve_attention(model),
+    )
 
 
-def observe_options(contenders: Sequence[Contender]) -> dict[str, Any]:
-    """How the shared prefill must be observed so every kvsieve contender can score from it."""
-    policies = [c.policy for c in contenders if c.policy is not None]
-    return {
-        "window": max([p.observation_window for p in policies], default=DEFAULT_WINDOW),
-        "accumulate": any(p.needs_accumulated for p in policies),
-    }
+def prefill_needs(contenders: Sequence[Contender], diagnostics: bool) -> Needs:
+    """What the shared prefill must record so every kvsieve contender (and the diagnostics) can read it."""
+    needs = Needs(window=1) if diagnostics else Needs()
+    return functools.reduce(operator.or_, (c.policy.needs for c in contenders if c.policy is not None), needs)
 
 
 @torch.no_grad()
@@ -157,9 +181,9 @@ def sample_survival(
     """`(survival [layers, kv_heads, n_context], evidence positions)` of one sample under one configuration."""
     encoded = encode(sample, tokenizer, chat)
     prefilled, _ = split_prompt(encoded, mode)
-    prefill = observe_prefill(model, prefilled, **observe_options([contender]))
-    compressed = compress_configuration(model, encoded, mode, prefill, contender, rate)
-    return compressed.survival, encoded.evidence_positions
+    prefill = observe_prefill(model, prefilled, prefill_needs([contender], diagnostics=False))
+    compressed = compress_configurations(model, encoded, mode, prefill, [(contender, rate)])
+    return compressed.survival[0], encoded.evidence_positions
 
 
 def _answer_row(encoded: EncodedSample, response: Response, tokenizer: Any) -> dict[str, Any]:
@@ -176,21 +200,21 @@ def _answer_row(encoded: EncodedSample, response: Response, tokenizer: Any) -> d
     }
 
 
-def _run_configuration(
+def _run_configurations(
     model: torch.nn.Module,
     tokenizer: Any,
     encoded: EncodedSample,
     mode: str,
     prefill: Prefill,
-    contender: Contender,
-    rate: float,
+    todo: Sequence[tuple[Contender, float]],
     diagnostics: bool,
-) -> dict[str, Any]:
+) -> list[dict[str, Any]]:
+    """Compress, answer and diagnose several configurations of one sample together; one row each."""
     _, prompt = split_prompt(encoded, mode)
     start = time.perf_counter()
-    compressed = compress_configuration(model, encoded, mode, prefill, contender, rate)
+    compressed = compress_configurations(model, encoded, mode, prefill, todo)
     with compressed.decoding:
-        response = respond(
+        responses = respond(
             model,
             compressed.cache,
             prompt,
@@ -199,19 +223,32 @@ def _run_configuration(
             rank_index=encoded.gold_content_index,
             max_feed=compressed.max_feed,
         )
-    row: dict[str, Any] = {
-        "library": contender.library,
-        "policy": contender.name,
-        "rate": rate,
-        "kv_bytes": int(compressed.kv_bytes),
-        "kv_bytes_full": int(prefill.cache.nbytes()),
-        "kept_entries": int(compressed.survival.sum()),
-        "seconds": time.perf_counter() - start,
-        **_answer_row(encoded, response, tokenizer),
-    }
-    if diagnostics:
-        row |= diagnose(prefill.observations, compressed.survival, encoded.evidence_positions).summary()
-    return row
+    seconds = (time.perf_counter() - start) / len(todo)
+    rows = []
+    for (contender, rate), response, kv_bytes, survival in zip(
+        todo, responses, compressed.kv_bytes, compressed.survival, strict=True
+    ):
+        row: dict[str, Any] = {
+            "library": contender.library,
+            "policy": contender.name,
+            "rate": rate,
+            "kv_bytes": int(kv_bytes),
+            "kv_bytes_full": int(prefill.cache.nbytes()),
+            "kept_entries": int(survival.sum()),
+            "seconds": seconds,
+            **_answer_row(encoded, response, tokenizer),
+        }
+        if diagnostics:
+            row |= diagnose(prefill.observations[0], survival, encoded.evidence_positions).summary()
+        rows.append(row)
+    return rows
+
+
+def _batches(todo: Sequence[tuple[Contender, float]], rows_per_pass: int) -> list[list[tuple[Contender, float]]]:
+    """kvsieve configurations in groups of `rows_per_pass`; each kvpress configuration on its own."""
+    kvsieve = [t for t in todo if t[0].library == "kvsieve"]
+    groups = [kvsieve[i : i + rows_per_pass] for i in range(0, len(kvsieve), rows_per_pass)]
+    return groups + [[t] for t in todo if t[0].library != "kvsieve"]
 
 
 def run_sweep(
@@ -226,6 +263,7 @@ def run_sweep(
     chat: bool | None = None,
     diagnostics: bool = True,
     reprefill: bool = False,
+    rows_per_pass: int = ROWS_PER_PASS,
     progress: Progress | None = None,
 ) -> pd.DataFrame:
     """Run every (contender, rate) on every sample in every mode; one row each (see module doc).
@@ -237,8 +275,9 @@ def run_sweep(
         results: a JSONL file; rows it already holds are not run again, new rows are appended.
         chat: wrap prompts in the tokenizer's chat template (default: when it has one).
         diagnostics: add the routing diagnostics (GER, evidence recall, head consensus) to each row.
-        reprefill: prefill again for every configuration instead of once per (sample, mode), as a
-            library without "prefill once, sieve many" must (for timing; the rows are the same).
+        reprefill: prefill again for every configuration and answer one configuration at a time,
+            as a library without "prefill once, sieve many" must (for timing; the rows are the same).
+        rows_per_pass: kvsieve configurations of a sample answered together as one batch.
 
     Returns:
         Every row of the sweep (old and new) as a DataFrame.
@@ -246,6 +285,8 @@ def run_sweep(
     contenders = parse_contenders(list(policies) if not isinstance(policies, str) else policies)
     rates = [check_rate(r) for r in rates]
     modes = check_modes(modes)
+    if rows_per_pass < 1:
+        raise ValueError(f"rows_per_pass must be >= 1, got {rows_per_pass}")
     path = Path(results) if results is not None else None
     rows = read_rows(path) if path else []
     if path and path.exists() and not path.read_bytes().endswith(b"\n") and path.stat().st_size:
@@ -253,7 +294,7 @@ def run_sweep(
             f.write("\n")
     done = {row_key(r) for r in rows}
     configurations = _configurations(contenders, rates)
-    observe = observe_options(contenders)
+    needs = prefill_needs(contenders, diagnostics)
     total = len(samples) * len(modes) * len(configurations)
     finished = sum(
         1 for s in samples for m in modes for c, r in configurations if (sample_key(s), m, c.name, r) in done
@@ -269,35 +310,34 @@ def run_sweep(
                 continue
             encoded = encoded or encode(sample, tokenizer, chat)
             prefilled, _ = split_prompt(encoded, mode)
-            tick = time.perf_counter()
-            prefill = observe_prefill(model, prefilled, **observe)
-            prefill_seconds = time.perf_counter() - tick
-            shared = 1 if reprefill else sum(c.library == "kvsieve" for c, _ in todo)  # sharing this prefill
-            for i, (contender, rate) in enumerate(todo):
-                if reprefill and i:
+            prefill, prefill_seconds = None, 0.0
+            shared = 1 if reprefill else sum(c.library == "kvsieve" for c, _ in todo)  # sharing one prefill
+            for batch in _batches(todo, 1 if reprefill else rows_per_pass):
+                if prefill is None or reprefill:
                     tick = time.perf_counter()
-                    prefill = observe_prefill(model, prefilled, **observe)
+                    prefill = observe_prefill(model, prefilled, needs)
                     prefill_seconds = time.perf_counter() - tick
-                row = {
-                    "sample": key,
-                    "suite": sample.suite,
-                    "task": sample.task,
-                    "index": sample.index,
-                    "mode": mode,
-                    "context_tokens": encoded.context_length,
-                    "evidence_tokens": int(encoded.evidence_positions.numel()),
-                    "prefill_seconds": prefill_seconds,
-                    **_run_configuration(model, tokenizer, encoded, mode, prefill, contender, rate, diagnostics),
-                }
-                # wall time of this configuration: kvsieve's share of the prefill; kvpress prefills on its own
-                row["wall_seconds"] = row["seconds"] + (
-                    prefill_seconds / shared if contender.library == "kvsieve" else 0
-                )
-                rows.append(row)
-                if path:
-                    with path.open("a") as f:
-                        f.write(json.dumps(row) + "\n")
-                finished += 1
+                new_rows = _run_configurations(model, tokenizer, encoded, mode, prefill, batch, diagnostics)
+                for row in new_rows:
+                    row = {
+                        "sample": key,
+                        "suite": sample.suite,
+                        "task": sample.task,
+                        "index": sample.index,
+                        "mode": mode,
+                        "context_tokens": encoded.context_length,
+                        "evidence_tokens": int(encoded.evidence_positions.numel()),
+                        "prefill_seconds": prefill_seconds,
+                        **row,
+                    }
+                    # wall time of this configuration: kvsieve's share of the prefill; kvpress prefills on its own
+                    share = prefill_seconds / shared if row["library"] == "kvsieve" else 0.0
+                    row["wall_seconds"] = row["seconds"] + share
+                    rows.append(row)
+                    if path:
+                        with path.open("a") as f:
+                            f.write(json.dumps(row) + "\n")
+                finished += len(new_rows)
                 if progress:
                     progress(finished, total)
     return pd.DataFrame(rows)

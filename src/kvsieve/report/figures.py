@@ -1,4 +1,4 @@
-"""Figures of the routing diagnostics and the sweep analysis (matplotlib, Agg).
+"""Figures of the routing diagnostics and the sweep analysis (matplotlib figures, written as PNG).
 
 Each function takes the data, a path and an optional title, writes a PNG and returns its path.
 The tables come from `kvsieve.eval.analysis`; GER and consensus follow arXiv 2603.01426.
@@ -9,13 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
+from matplotlib import colormaps
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
@@ -24,11 +22,16 @@ def _save(fig: Figure, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
     return path
 
 
-def _legend(ax: plt.Axes, entries: int) -> None:
+def _figure(*grid: int, figsize: tuple[float, float], dpi: int = 120, **kwargs: object) -> tuple[Figure, object]:
+    """A figure (no pyplot, no global backend) and its axes, as `plt.subplots` returns them."""
+    fig = Figure(figsize=figsize, dpi=dpi)
+    return fig, fig.subplots(*grid, **kwargs)
+
+
+def _legend(ax: Axes, entries: int) -> None:
     if entries > 8:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     elif entries:
@@ -55,7 +58,7 @@ def plot_eviction_map(
     strip = np.zeros((1, n))
     strip[0, evidence[(evidence >= 0) & (evidence < n)].numpy()] = 1.0
     height = min(9.0, 2.0 + 0.18 * grid.shape[0])
-    fig, (top, ax) = plt.subplots(
+    fig, (top, ax) = _figure(
         2, 1, figsize=(10, height), dpi=120, sharex=True, gridspec_kw={"height_ratios": [1, 12], "hspace": 0.05}
     )
     top.imshow(strip, aspect="auto", cmap="Reds", vmin=0, vmax=1, interpolation="nearest")
@@ -96,9 +99,9 @@ def plot_accuracy_vs_rate(table: pd.DataFrame, path: str | Path, title: str | No
     modes = sorted(table["mode"].unique()) if "mode" in table.columns else [None]
     suites = table["suite"].nunique() if "suite" in table.columns else 1
     labels = sorted({_curve_label(row, suites) for _, row in table[table["policy"] != "full"].iterrows()})
-    palette = plt.get_cmap("tab10" if len(labels) <= 10 else "tab20")
+    palette = colormaps["tab10" if len(labels) <= 10 else "tab20"]
     colours = {label: palette(i % palette.N) for i, label in enumerate(labels)}  # one colour per curve in every panel
-    fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.5), dpi=120, sharey=True, squeeze=False)
+    fig, axes = _figure(1, len(modes), figsize=(6.5 * len(modes), 4.5), dpi=120, sharey=True, squeeze=False)
     for ax, mode in zip(axes[0], modes, strict=True):
         rows = table if mode is None else table[table["mode"] == mode]
         full = rows[rows["policy"] == "full"]
@@ -137,10 +140,10 @@ def plot_hallucination_vs_ger(points: pd.DataFrame, r: float, path: str | Path, 
 
     `points` is `hallucination_vs_ger(df)["points"]`.
     """
-    fig, ax = plt.subplots(figsize=(6.5, 4.5), dpi=120)
+    fig, ax = _figure(figsize=(6.5, 4.5), dpi=120)
     markers = {"agnostic": "o", "aware": "^"}
     policies = sorted(points["policy"].unique())
-    colours = plt.get_cmap("tab10" if len(policies) <= 10 else "tab20")
+    colours = colormaps["tab10" if len(policies) <= 10 else "tab20"]
     for i, policy in enumerate(policies):
         for mode, rows in points[points["policy"] == policy].groupby("mode"):
             ax.scatter(
@@ -165,14 +168,14 @@ def plot_consensus_by_depth(table: pd.DataFrame, path: str | Path, title: str | 
 
     `table` is `consensus_by_depth(df)`; H = the query heads of one layer.
     """
-    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
+    fig, ax = _figure(figsize=(7.5, 4.5), dpi=120)
     policies = sorted(table["policy"].unique())
     maps = ["Blues", "Oranges", "Greens", "Reds", "Purples", "Greys", "YlOrBr", "PuRd", "BuGn", "GnBu"]
     lines = 0
     for i, policy in enumerate(policies):
         rows = table[table["policy"] == policy]
         rates = sorted(rows["rate"].unique())
-        cmap = plt.get_cmap(maps[i % len(maps)])
+        cmap = colormaps[maps[i % len(maps)]]
         for j, rate in enumerate(rates):
             curve = rows[rows["rate"] == rate].sort_values("layer")
             shade = 0.45 + 0.5 * (j / max(1, len(rates) - 1))

@@ -5,16 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 
 def plot_ppl(report: dict[str, Any], path: str | Path, title: str | None = None) -> Path:
     """delta% vs rate, one line per policy, with the bootstrap 95% band."""
     many = len({r["policy"] for r in report["rows"]}) > 6
-    fig, ax = plt.subplots(figsize=(9, 5) if many else (6, 4), dpi=120)
+    fig = Figure(figsize=(9, 5) if many else (6, 4), dpi=120)
+    ax = fig.subplots()
     for policy in dict.fromkeys(r["policy"] for r in report["rows"]):
         rows = sorted((r for r in report["rows"] if r["policy"] == policy), key=lambda r: r["rate"])
         rates = [100 * r["rate"] for r in rows]
@@ -32,5 +30,4 @@ def plot_ppl(report: dict[str, Any], path: str | Path, title: str | None = None)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
-    plt.close(fig)
     return path

@@ -6,19 +6,28 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from ..observe import Observation
+from ..observe import Needs, Observation
 
 
 class Scorer(Protocol):
-    """A rule giving every entry of one layer a score; a pure function of the `Observation`.
+    """A rule giving every entry of one layer a score, from an `Observation`.
 
-    `needs_accumulated` says whether the scorer reads `Observation.received` (the attention
-    summed over all prefill queries), which makes the observed prefill slower.
+    `needs` declares what the scorer reads besides the entries (recent queries, accumulated
+    attention, ...); the observed prefill records exactly that. A scorer may be a frozen
+    dataclass (a formula) or an `nn.Module` with learned parameters.
     """
 
     name: ClassVar[str]
-    needs_accumulated: ClassVar[bool]
+
+    @property
+    def needs(self) -> Needs: ...
 
     def score(self, obs: Observation) -> torch.Tensor:
-        """Scores `[kv_heads, n]`; higher means keep."""
+        """Scores `[kv_heads, n]`; higher means keep. Entries that do not exist (`obs.valid`) are ignored."""
         ...
+
+
+def check_window(window: int) -> None:
+    """A query window holds at least one query."""
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an integer >= 1, got {window!r}")

@@ -7,7 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from ..observe import DEFAULT_WINDOW, Observation
+from ..observe import DEFAULT_WINDOW, Needs, Observation
+from .base import check_window
 
 
 def removal_effect(attention: torch.Tensor, values: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
@@ -30,8 +31,14 @@ class CAOTEScorer:
     """
 
     name: ClassVar[str] = "caote"
-    needs_accumulated: ClassVar[bool] = False
     window: int = DEFAULT_WINDOW
+
+    def __post_init__(self) -> None:
+        check_window(self.window)
+
+    @property
+    def needs(self) -> Needs:
+        return Needs(window=self.window)
 
     def score(self, obs: Observation) -> torch.Tensor:
         attention = obs.window_attention(self.window)  # [q_heads, w, n]

@@ -7,7 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from ..observe import DEFAULT_WINDOW, Observation
+from ..observe import DEFAULT_WINDOW, Needs, Observation
+from .base import check_window
 
 #: Entries projected at once (a few MiB of projections, so the norms are taken in cache).
 ROWS_PER_BLOCK = 512
@@ -43,11 +44,18 @@ class CriticalScorer:
     """
 
     name: ClassVar[str] = "critical"
-    needs_accumulated: ClassVar[bool] = False
     window: int = DEFAULT_WINDOW
 
+    def __post_init__(self) -> None:
+        check_window(self.window)
+
+    @property
+    def needs(self) -> Needs:
+        return Needs(window=self.window, output_projection=True)
+
     def score(self, obs: Observation) -> torch.Tensor:
-        if obs.output_weight is None:
-            raise ValueError("critical needs the attention output projection (o_proj), which this model lacks")
+        weight = obs.stats.output_weight
+        if weight is None:
+            raise ValueError("critical needs the attention output projection (Needs.output_projection)")
         attention = obs.window_attention(self.window).mean(dim=1)  # [q_heads, n]
-        return obs.per_kv_head(attention * projected_value_norms(obs.values, obs.output_weight, obs.group))
+        return obs.per_kv_head(attention * projected_value_norms(obs.values, weight, obs.group))

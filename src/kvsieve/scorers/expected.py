@@ -7,7 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from ..observe import DEFAULT_WINDOW, Observation
+from ..observe import DEFAULT_WINDOW, Needs, Observation
+from .base import check_window
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -54,15 +55,23 @@ class ExpectedScorer:
     """
 
     name: ClassVar[str] = "expected"
-    needs_accumulated: ClassVar[bool] = False
     window: int = DEFAULT_WINDOW
     future: int = 512
     covariance: bool = True
     vnorm: bool = True
 
+    def __post_init__(self) -> None:
+        check_window(self.window)
+        if self.future < 1:
+            raise ValueError(f"future must be >= 1, got {self.future}")
+
+    @property
+    def needs(self) -> Needs:
+        return Needs(window=self.window, rotary=True)
+
     def score(self, obs: Observation) -> torch.Tensor:
         if obs.rotary is None:
-            raise ValueError("expected needs the model's rotary embedding (rotary_emb), which this model lacks")
+            raise ValueError("expected needs the model's rotary embedding (Needs.rotary)")
         queries, positions = obs.queries(self.window)
         pre_rope = unrotate(queries, *obs.rotary(positions))
         mean = pre_rope.mean(dim=1)
@@ -73,6 +82,9 @@ class ExpectedScorer:
             centered = pre_rope - mean[:, None]
             cov = rotation @ (centered.transpose(1, 2) @ centered / pre_rope.shape[1]) @ rotation.T
         keys = obs.keys.float().repeat_interleave(obs.group, dim=0)
-        probs = torch.softmax(expected_logits(keys, mean @ rotation.T, cov, obs.scaling), dim=-1)
+        logits = expected_logits(keys, mean @ rotation.T, cov, obs.scaling)
+        if obs.valid is not None:
+            logits = logits.masked_fill(~obs.valid.repeat_interleave(obs.group, dim=0), float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
         scores = obs.per_kv_head(probs) / obs.group
         return scores * obs.values.float().norm(dim=-1) if self.vnorm else scores

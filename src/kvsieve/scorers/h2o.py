@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from ..observe import Observation
+from ..observe import Needs, Observation
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class H2OScorer:
     """
 
     name: ClassVar[str] = "h2o"
-    needs_accumulated: ClassVar[bool] = True
+    needs: ClassVar[Needs] = Needs(accumulated=True)
     recent: float = 0.1
 
     def __post_init__(self) -> None:
@@ -29,10 +29,11 @@ class H2OScorer:
             raise ValueError(f"recent must be a fraction in [0, 1], got {self.recent}")
 
     def score(self, obs: Observation) -> torch.Tensor:
-        mass = obs.per_kv_head(obs.require_received(self.name))
+        mass = obs.per_kv_head(obs.received(self.name))
         n_recent = round(self.recent * obs.length)
         if n_recent == 0:
             return mass
-        boost = mass.max() + 1.0 + obs.positions.to(mass.dtype) / obs.length
-        is_recent = obs.positions >= obs.positions.max() + 1 - n_recent
-        return torch.where(is_recent[None, :], boost[None, :], mass)
+        positions = obs.positions.to(mass.dtype)
+        boost = mass.max() + 1.0 + positions / obs.length
+        is_recent = obs.positions >= obs.positions.max(dim=-1, keepdim=True).values + 1 - n_recent
+        return torch.where(is_recent, boost, mass)

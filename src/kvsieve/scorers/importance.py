@@ -7,13 +7,13 @@ from typing import ClassVar
 
 import torch
 
-from ..observe import Observation
+from ..observe import Needs, Observation
 
 
 def mean_received(obs: Observation, who: str) -> torch.Tensor:
     """`[kv_heads, n]` attention each key received per prefill query that could see it, summed over the group."""
-    mass = obs.per_kv_head(obs.require_received(who))
-    return mass / obs.queries_seeing.clamp(min=1).to(mass.dtype)
+    mass = obs.per_kv_head(obs.received(who))
+    return mass / obs.queries_seeing().to(mass.dtype)
 
 
 @dataclass(frozen=True)
@@ -26,10 +26,10 @@ class ImportanceScorer:
     """
 
     name: ClassVar[str] = "importance"
-    needs_accumulated: ClassVar[bool] = True
+    needs: ClassVar[Needs] = Needs(accumulated=True)
     normalize: bool = True
 
     def score(self, obs: Observation) -> torch.Tensor:
         if self.normalize:
             return mean_received(obs, self.name)
-        return obs.per_kv_head(obs.require_received(self.name))
+        return obs.per_kv_head(obs.received(self.name))

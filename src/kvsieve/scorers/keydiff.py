@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..observe import Observation
+from ..observe import Needs, Observation
 
 
 @dataclass(frozen=True)
@@ -19,9 +19,10 @@ class KeyDiffScorer:
     """
 
     name: ClassVar[str] = "keydiff"
-    needs_accumulated: ClassVar[bool] = False
+    needs: ClassVar[Needs] = Needs()
 
     def score(self, obs: Observation) -> torch.Tensor:
         keys = F.normalize(obs.keys.float(), dim=-1)
-        anchor = keys.mean(dim=1, keepdim=True)
+        valid = obs.valid_mask[..., None].float()
+        anchor = (keys * valid).sum(dim=1, keepdim=True) / valid.sum(dim=1, keepdim=True).clamp(min=1)
         return -F.cosine_similarity(keys, anchor, dim=-1)

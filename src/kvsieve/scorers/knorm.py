@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from ..observe import Observation
+from ..observe import Needs, Observation
 
 
 @dataclass(frozen=True)
@@ -15,7 +15,7 @@ class KnormScorer:
     """Score = minus the L2 norm of the key (RoPE is a rotation, so the norm is position-free)."""
 
     name: ClassVar[str] = "knorm"
-    needs_accumulated: ClassVar[bool] = False
+    needs: ClassVar[Needs] = Needs()
 
     def score(self, obs: Observation) -> torch.Tensor:
         return -obs.keys.float().norm(dim=-1)

@@ -8,7 +8,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..observe import DEFAULT_WINDOW, Observation
+from ..observe import DEFAULT_WINDOW, Needs, Observation
+from .base import check_window
 
 
 @dataclass(frozen=True)
@@ -20,13 +21,17 @@ class SnapKVScorer:
     """
 
     name: ClassVar[str] = "snapkv"
-    needs_accumulated: ClassVar[bool] = False
     window: int = DEFAULT_WINDOW
     kernel: int = 5
 
     def __post_init__(self) -> None:
+        check_window(self.window)
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be an odd number >= 1, got {self.kernel}")
+
+    @property
+    def needs(self) -> Needs:
+        return Needs(window=self.window)
 
     def score(self, obs: Observation) -> torch.Tensor:
         attention = obs.window_attention(self.window).mean(dim=1)  # [q_heads, n]

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from ..observe import Observation
+from ..observe import Needs, Observation
 
 
 @dataclass(frozen=True)
@@ -15,7 +15,7 @@ class StreamingScorer:
     """Later position = higher score; with the sinks protected this keeps sinks + the most recent entries."""
 
     name: ClassVar[str] = "streaming"
-    needs_accumulated: ClassVar[bool] = False
+    needs: ClassVar[Needs] = Needs()
 
     def score(self, obs: Observation) -> torch.Tensor:
-        return obs.positions.to(torch.float32).expand(obs.num_kv_heads, -1)
+        return obs.positions.to(torch.float32)

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from ..observe import Observation
+from ..observe import Needs, Observation
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class TOVAScorer:
     """
 
     name: ClassVar[str] = "tova"
-    needs_accumulated: ClassVar[bool] = False
+    needs: ClassVar[Needs] = Needs(window=1)
 
     def score(self, obs: Observation) -> torch.Tensor:
         last = obs.window_attention(1)[:, 0]  # [q_heads, n]

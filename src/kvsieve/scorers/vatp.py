@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from ..observe import Observation
+from ..observe import Needs, Observation
 from .importance import mean_received
 
 
@@ -20,7 +20,7 @@ class VATPScorer:
     """
 
     name: ClassVar[str] = "vatp"
-    needs_accumulated: ClassVar[bool] = True
+    needs: ClassVar[Needs] = Needs(accumulated=True)
 
     def score(self, obs: Observation) -> torch.Tensor:
         return mean_received(obs, self.name) * obs.values.float().abs().sum(dim=-1)

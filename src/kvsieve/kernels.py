@@ -1,0 +1,174 @@
+"""Attention over a padded view of ragged per-(row, kv-head) entries: one kernel call per layer.
+
+Every function takes `query [rows, q_heads, q, d]`, the padded `keys`/`values [rows, kv_heads,
+length, d]` a `SievedLayer` returned, and `visible [rows, kv_heads, q, length]` (bool; None when
+every column is visible to every query), and returns `[rows, q, q_heads, d]` as `transformers`'
+attention functions do. The query heads of a kv-head are folded into the query axis, so keys and
+values are read once and no call is made per head or per row.
+
+- `masked_sdpa`: one `scaled_dot_product_attention` with the visibility as a boolean mask (every device).
+- `varlen_attention`: CUDA, half precision, no attention mask: torch's fused varlen flash kernel
+  (`torch.nn.attention.varlen`), every (row, kv-head) one sequence of its own length, read in
+  place from the padded tensors (no mask is built).
+- `reference_attention`: float64, one (row, query head) at a time; the exact reference the tests hold the others to.
+- `observed_attention`: a fresh prefill that also sums the attention every key receives, in query
+  chunks, so the `q x n` matrix is never held whole.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:  # a fused varlen flash kernel (CUDA); torch versions before 2.10 have none
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:
+    _varlen_attn = None
+
+#: Attention probabilities (float32) per (row, query head) in one chunk of an observed prefill:
+#: the chunk's query count depends on the context length only, so the number of calls does not
+#: grow with heads or rows.
+CHUNK_ELEMENTS = 1 << 20
+
+
+def _fold(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """`[rows, q_heads, q, d]` -> `[rows, kv_heads, group * q, d]`: each kv-head's query heads side by side."""
+    rows, q_heads, q, dim = query.shape
+    if q_heads % kv_heads:
+        raise ValueError(f"{q_heads} query heads cannot be grouped over {kv_heads} kv-heads")
+    return query.reshape(rows, kv_heads, (q_heads // kv_heads) * q, dim)
+
+
+def _unfold(out: torch.Tensor, q_heads: int, q: int) -> torch.Tensor:
+    """`[rows, kv_heads, group * q, d]` -> `[rows, q, q_heads, d]` (contiguous)."""
+    return out.reshape(out.shape[0], q_heads, q, out.shape[-1]).transpose(1, 2).contiguous()
+
+
+def masked_sdpa(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """Exact attention as one `scaled_dot_product_attention` call with a boolean mask."""
+    rows, q_heads, q, _ = query.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    mask = visible
+    if mask is not None and q > 1:
+        group = q_heads // kv_heads
+        mask = mask[:, :, None].expand(rows, kv_heads, group, q, length).reshape(rows, kv_heads, group * q, length)
+    out = F.scaled_dot_product_attention(_fold(query, kv_heads), keys, values, attn_mask=mask, scale=scaling)
+    return _unfold(out, q_heads, q)
+
+
+def reference_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """The same attention in float64 with an explicit softmax, one (row, query head) at a time."""
+    rows, q_heads, q, dim = query.shape
+    group = q_heads // keys.shape[1]
+    out = torch.empty(rows, q, q_heads, dim, dtype=query.dtype, device=query.device)
+    for row in range(rows):
+        for head in range(q_heads):
+            kv = head // group
+            scores = (query[row, head].double() @ keys[row, kv].double().T) * scaling
+            if visible is not None:
+                scores = scores.masked_fill(~visible[row, kv], float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[row, :, head] = (probs @ values[row, kv].double()).to(query.dtype)
+    return out
+
+
+def observed_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    query_weight: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of a fresh prefill, with the attention every key receives.
+
+    Args:
+        query: `[rows, q_heads, n, d]`; keys, values: `[rows, kv_heads, n, d]` (column = cache position).
+        attention_mask: `[rows, 1, n, n]` bool from `transformers` (padding and causality), or None for
+            plain causal attention.
+        query_weight: `[rows, n]` how much each query counts in the sums (0 for padding), or None.
+
+    Returns:
+        output `[rows, n, q_heads, d]` and received `[rows, q_heads, n]`: the attention each key
+        received, summed over the queries (weighted).
+
+    A chunk of queries only reads the keys up to its last query (causality). Peak extra memory: two
+    float32 blocks of `rows * q_heads * CHUNK_ELEMENTS` (scores and probabilities); the `n x n`
+    matrix is never held.
+    """
+    rows, q_heads, n, dim = query.shape
+    kv_heads = keys.shape[1]
+    group = q_heads // kv_heads
+    chunk = max(1, CHUNK_ELEMENTS // n)
+    grouped = query.float().reshape(rows, kv_heads, group, n, dim) * scaling
+    keys_t, values_f = keys.float().transpose(-1, -2)[:, :, None], values.float()[:, :, None]
+    out = torch.empty(rows, kv_heads, group, n, dim, dtype=torch.float32, device=query.device)
+    received = torch.zeros(rows, kv_heads, group, n, dtype=torch.float32, device=query.device)
+    columns = torch.arange(n, device=query.device)
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        scores = grouped[:, :, :, start:stop] @ keys_t[..., :stop]
+        if attention_mask is None:
+            allowed = columns[None, :stop] <= columns[start:stop, None]
+        else:
+            allowed = attention_mask[:, :, start:stop, :stop].unsqueeze(2)
+        probs = torch.softmax(scores.masked_fill_(~allowed, float("-inf")), dim=-1)
+        probs.nan_to_num_(0.0)  # a query that sees nothing (padding) gets no output, as SDPA gives it
+        del scores
+        out[..., start:stop, :] = probs @ values_f[..., :stop, :]
+        if query_weight is not None:
+            probs *= query_weight[:, None, None, start:stop, None]
+        received[..., :stop] += probs.sum(dim=-2)
+    return _unfold(out.reshape(rows, kv_heads, group * n, dim), q_heads, n).to(query.dtype), received.flatten(1, 2)
+
+
+def varlen_available(query: torch.Tensor) -> bool:
+    """Whether the fused varlen kernel serves this query (CUDA, fp16/bf16, a torch that has it)."""
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _varlen_attn is not None
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    lengths: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention of one decoding query per (row, query head) over the first `lengths` entries of its kv-head.
+
+    Every (row, kv-head) is one varlen sequence whose query heads are its group. Keys and values
+    may be a padded view of wider storage (`[rows, kv_heads, length, d]` with a row stride of
+    `capacity * d`): the kernel reads the storage in place, `capacity` entries apart.
+    """
+    rows, q_heads, q, dim = query.shape
+    if q != 1:
+        raise ValueError(f"varlen_attention serves decoding steps (one query per row), got {q}")
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    segments, capacity = rows * kv_heads, keys.stride(1) // dim
+    flat = [t.as_strided((segments * capacity, 1, dim), (dim, dim, 1)) for t in (keys, values)]
+    used = torch.full((segments,), length, device=query.device) if lengths is None else lengths.reshape(segments)
+    steps = torch.arange(segments + 1, device=query.device, dtype=torch.int32)
+    out = _varlen_attn(
+        query.reshape(segments, q_heads // kv_heads, dim).contiguous(),  # one sequence per (row, kv-head)
+        *flat,
+        steps,
+        steps * capacity,
+        1,
+        length,
+        scale=scaling,
+        enable_gqa=True,
+        seqused_k=used.to(torch.int32),
+    )
+    return out.reshape(rows, 1, q_heads, dim)

@@ -1,0 +1,233 @@
+"""Ragged storage of one cache layer: one segment of entries per (sequence, kv-head), packed in flat buffers.
+
+Segment `s = row * heads + head` owns rows `[starts[s], starts[s] + lengths[s])` of three flat
+buffers: keys and values `[capacity, head_dim]` and the entries' cache positions `[capacity]`.
+A segment may have free room after its entries (`capacity[s] - lengths[s]`), handed out when
+decoding outgrows it: `GROWTH` of its length, at least `BLOCK` entries, so the room stays
+within 2% of the entries plus one block per head while moves stay rare. The buffers end with
+one *null entry* (zero key and value, position `PAD_POSITION`) that padded views point at.
+
+Two layouts, chosen by the lengths: when every segment holds as many entries (and has as much
+room), the buffers are a grid `[rows, heads, capacity, head_dim]` and a padded view of them is
+free; otherwise the segments are packed and a padded view is gathered through `slots`, a
+`[segments, width]` table of buffer rows kept up to date as entries are appended.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+#: Position of the padding slots in padded views: after every real position, so causal masks hide them.
+PAD_POSITION = torch.iinfo(torch.long).max
+
+#: Free room a segment gets when appending finds it full: this fraction of its length ...
+GROWTH = 0.02
+#: ... and at least this many entries (one block), so short segments are not moved every step.
+BLOCK = 16
+
+
+@dataclass(frozen=True)
+class Slots:
+    """Which slots of a padded view hold entries, and at which cache positions (no key or value tensor).
+
+    Attributes:
+        valid: `[rows, heads, length]` which slots hold an entry; None when all do.
+        source: the positions, `[rows, heads, length]` for a grid, the flat buffer otherwise.
+        index: the flat buffer row of every slot (None for a grid).
+    """
+
+    valid: torch.Tensor | None
+    source: torch.Tensor
+    index: torch.Tensor | None
+
+    def positions(self) -> torch.Tensor:
+        """`[rows, heads, length]` cache positions of the slots (`PAD_POSITION` for padding)."""
+        if self.index is None:
+            return self.source
+        rows, heads, length = self.valid.shape
+        return self.source.index_select(0, self.index).view(rows, heads, length)
+
+
+@dataclass(frozen=True)
+class PaddedView:
+    """Every segment's entries, left-aligned and padded to the longest: keys and values
+    `[rows, heads, length, head_dim]` (padding slots hold zeros) and their `Slots`."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    slots: Slots
+
+
+def _exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(values, 0) - values
+
+
+class Segments:
+    """The entries of one layer, stored per (row, kv-head) with their cache positions."""
+
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        lengths: Sequence[int],
+        capacity: Sequence[int],
+        rows: int,
+    ) -> None:
+        self.rows = rows
+        self.heads = len(lengths) // rows
+        self._assign(keys, values, positions, lengths, capacity)
+
+    def _assign(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        lengths: Sequence[int],
+        capacity: Sequence[int],
+    ) -> None:
+        self.keys, self.values, self.positions = keys, values, positions
+        self.lengths, self.capacity = list(lengths), list(capacity)
+        self.free = min(c - n for c, n in zip(self.capacity, self.lengths, strict=True))
+        device = keys.device
+        capacity_t = torch.tensor(self.capacity, dtype=torch.long, device=device)
+        self.starts = _exclusive_cumsum(capacity_t)
+        self.grid = len(set(self.capacity)) == 1 and len(set(self.lengths)) == 1
+        if self.grid:
+            shape = (self.rows, self.heads, self.capacity[0])
+            self._grids = (keys[:-1].view(*shape, -1), values[:-1].view(*shape, -1), positions[:-1].view(shape))
+            return
+        self.lengths_t = torch.tensor(self.lengths, dtype=torch.long, device=device)
+        self.ends = self.starts + self.lengths_t
+        slot = torch.arange(max(self.capacity), device=device)
+        self.valid = slot < self.lengths_t[:, None]
+        self.slots = torch.where(self.valid, self.starts[:, None] + slot, self.null_index)
+
+    @classmethod
+    def empty(
+        cls, capacity: Sequence[int], lengths: Sequence[int], rows: int, like: torch.Tensor, value_dim: int
+    ) -> Segments:
+        """Zeroed buffers for segments of the given capacities (plus the null entry)."""
+        total = sum(capacity) + 1
+        keys = like.new_zeros(total, like.shape[-1])
+        values = like.new_zeros(total, value_dim)
+        positions = torch.full((total,), PAD_POSITION, dtype=torch.long, device=like.device)
+        return cls(keys, values, positions, lengths, capacity, rows)
+
+    @classmethod
+    def from_dense(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> Segments:
+        """Store `[rows, heads, n, d]` states at cache positions `[n]`: every segment holds all `n` entries."""
+        rows, heads, n, _ = keys.shape
+        out = cls.empty([n] * rows * heads, [n] * rows * heads, rows, keys, values.shape[-1])
+        for grid, states in zip(out._grids, (keys, values, positions), strict=True):
+            grid.copy_(states)
+        return out
+
+    @property
+    def segments(self) -> int:
+        return self.rows * self.heads
+
+    @property
+    def null_index(self) -> int:
+        return self.keys.shape[0] - 1
+
+    @property
+    def max_length(self) -> int:
+        return max(self.lengths)
+
+    def entry_bytes(self) -> int:
+        """Bytes of one stored entry's key and value."""
+        return self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
+
+    def nbytes(self) -> int:
+        """Bytes of the stored keys and values."""
+        return sum(self.lengths) * self.entry_bytes()
+
+    def allocated_nbytes(self) -> int:
+        """Bytes of the key and value buffers, free room and the null entry included."""
+        return self.keys.untyped_storage().nbytes() + self.values.untyped_storage().nbytes()
+
+    def segment(self, row: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys `[n, d]`, values `[n, d]` and positions `[n]` of one segment (views)."""
+        s = row * self.heads + head
+        start = int(self.starts[s])
+        stop = start + self.lengths[s]
+        return self.keys[start:stop], self.values[start:stop], self.positions[start:stop]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append `[rows, heads, q, d]` states at cache positions `[q]` to every segment."""
+        q = keys.shape[2]
+        if self.free < q:
+            self._relayout(q)
+        if self.grid:
+            n = self.lengths[0]
+            for grid, states in zip(self._grids, (keys, values, positions), strict=True):
+                grid[:, :, n : n + q] = states
+        else:
+            target, columns = self.ends[:, None], self.lengths_t[:, None]
+            if q > 1:
+                offsets = torch.arange(q, device=self.keys.device)
+                target, columns = target + offsets, columns + offsets
+            flat = target.flatten()
+            self.keys.index_copy_(0, flat, keys.reshape(-1, keys.shape[-1]))
+            self.values.index_copy_(0, flat, values.reshape(-1, values.shape[-1]))
+            self.positions.index_copy_(0, flat, positions.expand(self.segments, q).reshape(-1))
+            self.slots.scatter_(1, columns, target)
+            self.valid.scatter_(1, columns, True)
+            self.ends += q
+            self.lengths_t += q
+        self.lengths = [n + q for n in self.lengths]
+        self.free -= q
+
+    def _relayout(self, incoming: int) -> None:
+        """Copy the entries into new buffers that give every segment room for `incoming` more, plus growth room."""
+        needed = [n + incoming for n in self.lengths]
+        moved = self.gather_into([n + max(BLOCK, math.floor(GROWTH * n)) for n in needed])
+        self._assign(moved.keys, moved.values, moved.positions, moved.lengths, moved.capacity)
+
+    def gather_into(self, capacity: Sequence[int]) -> Segments:
+        """The same entries in new buffers with the given capacity per segment."""
+        out = Segments.empty(capacity, self.lengths, self.rows, self.keys, self.values.shape[-1])
+        source, target = self._entry_index(self.starts), self._entry_index(out.starts)
+        for old, new in ((self.keys, out.keys), (self.values, out.values), (self.positions, out.positions)):
+            new.index_copy_(0, target, old.index_select(0, source))
+        return out
+
+    def _entry_index(self, starts: torch.Tensor) -> torch.Tensor:
+        """Buffer rows of every stored entry, segment after segment, for segments starting at `starts`."""
+        lengths = torch.tensor(self.lengths, dtype=torch.long, device=starts.device)
+        owner = torch.repeat_interleave(torch.arange(self.segments, device=starts.device), lengths)
+        offset = torch.arange(sum(self.lengths), device=starts.device) - _exclusive_cumsum(lengths)[owner]
+        return starts[owner] + offset
+
+    def padded(self) -> PaddedView:
+        """Every segment padded to the longest (free for a grid, gathered otherwise)."""
+        length = self.max_length
+        if self.grid:
+            keys, values, positions = (grid[:, :, :length] for grid in self._grids)
+            return PaddedView(keys, values, Slots(None, positions, None))
+        shape = (self.rows, self.heads, length)
+        index = self.slots[:, :length].flatten()
+        return PaddedView(
+            keys=self.keys.index_select(0, index).view(*shape, -1),
+            values=self.values.index_select(0, index).view(*shape, -1),
+            slots=Slots(self.valid[:, :length].view(shape), self.positions, index),
+        )
+
+    def select(self, sources: Sequence[int], indices: Sequence[torch.Tensor], rows: int) -> Segments:
+        """New exactly-sized segments: output segment `i` keeps entries `indices[i]` of segment `sources[i]`."""
+        device = self.keys.device
+        pieces = [
+            index.to(device=device, dtype=torch.long) + self.starts[source]
+            for source, index in zip(sources, indices, strict=True)
+        ]
+        lengths = [int(p.numel()) for p in pieces]
+        flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long, device=device)
+        out = Segments.empty(lengths, lengths, rows, self.keys, self.values.shape[-1])
+        for old, new in ((self.keys, out.keys), (self.values, out.values), (self.positions, out.positions)):
+            new[:-1] = old.index_select(0, flat)
+        return out
