@@ -145,7 +145,7 @@ def test_segments_append_grow_and_pad():
     assert torch.equal(view.keys[0, 1, :50], keys[0, 1, ::2]) and torch.equal(view.keys[0, 1, 50:], torch.zeros(10, 4))
     positions = view.slots.positions()
     assert (positions[0, 1, 50:] == PAD_POSITION).all() and torch.equal(positions[0, 0], torch.arange(60))
-    assert torch.equal(view.slots.valid[0], torch.arange(60) < torch.tensor([[60], [50]]))
+    assert torch.equal(view.slots.valid()[0], torch.arange(60) < torch.tensor([[60], [50]]))
     new = torch.randn(1, 2, 1, 4)
     smaller.append(new, new, torch.tensor([100]))
     assert smaller.capacity == [61 + BLOCK, 51 + BLOCK] and smaller.lengths == [61, 51], "a block of room"
@@ -159,7 +159,7 @@ def test_segments_append_grow_and_pad():
     assert long.capacity == [3001 + 60], "2% of a long segment"
     assert torch.equal(smaller.segment(0, 0)[0][:60], keys[0, 0, :60]), "entries survive every move"
     view = smaller.padded()
-    assert torch.equal(view.keys[0, 1, :72], smaller.segment(0, 1)[0]) and int(view.slots.valid[0, 1].sum()) == 72
+    assert torch.equal(view.keys[0, 1, :72], smaller.segment(0, 1)[0]) and int(view.slots.valid()[0, 1].sum()) == 72
 
 
 @torch.no_grad()

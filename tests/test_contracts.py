@@ -39,8 +39,9 @@ def test_layers_are_updated_through_their_own_update_and_return_tensors(model, i
     calls.clear()
     with kvsieve.sieve_attention(model):
         model(ids[:, 100:104], past_key_values=cache)
-    longest = [max(lengths) for lengths in cache.stored_lengths()]
-    assert [shape for _, shape, _ in calls] == [(1, 2, n, 16) for n in longest]
+    widest = [max(layer.segments.capacity) for layer in cache.layers]
+    assert [shape for _, shape, _ in calls] == [(1, 2, n, 16) for n in widest], "padded to the widest room"
+    assert all(n < 104 for n in widest), "evicted entries take no room"
     assert cache.get_seq_length() == 104
     assert cache.get_mask_sizes(torch.arange(104, 107), 0) == (107, 0), "masks cover the logical sequence"
 

@@ -27,7 +27,7 @@ def test_varlen_kernel_equals_the_reference_on_grid_and_packed_storage(dtype):
     assert varlen_available(query)
     for store in (packed, grid):
         view = store.padded()
-        valid = view.slots.valid
+        valid = view.slots.valid()
         got = varlen_attention(query, view.keys, view.values, None if valid is None else valid.sum(-1), 0.25)
         visible = None if valid is None else valid[:, :, None, :]
         expected = reference_attention(query, view.keys, view.values, visible, 0.25)

@@ -86,7 +86,7 @@ def test_varlen_kernel_reads_padded_storage_in_place(monkeypatch):
     for store in (packed, grid):
         view = store.padded()
         assert store is packed or view.keys.stride(1) > view.keys.shape[2] * 8, "a grid view into wider storage"
-        valid = view.slots.valid
+        valid = view.slots.valid()
         got = kernels.varlen_attention(query, view.keys, view.values, None if valid is None else valid.sum(-1), 0.3)
         visible = None if valid is None else valid[:, :, None, :]
         torch.testing.assert_close(got, reference_attention(query, view.keys, view.values, visible, 0.3))

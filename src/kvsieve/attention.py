@@ -46,7 +46,9 @@ def _check_supported(module: torch.nn.Module, dropout: float, kwargs: dict) -> N
 
 
 def visibility(layout: RaggedLayout, attention_mask: torch.Tensor | None, q: int) -> torch.Tensor | None:
-    """`[rows, kv_heads, q, length]` bool: which padded column each query may attend (None: all of them).
+    """`[rows, kv_heads, q, length]`: which padded column each query may attend (None: all of them).
+
+    A bool mask, or for a decoding step an additive one (0 / -inf) that the layer keeps ready.
 
     `attention_mask` is `transformers`' mask over the logical sequence (`[rows, 1, q, kv_length]`,
     bool or additive); it is read at each column's cache position.
@@ -60,7 +62,7 @@ def visibility(layout: RaggedLayout, attention_mask: torch.Tensor | None, q: int
         return allowed.expand(rows, heads, q, -1).gather(3, index) & (positions != PAD_POSITION)[:, :, None, :]
     if q > 1:
         return slots.positions()[:, :, None, :] <= layout.query_positions[:, None]
-    return None if slots.valid is None else slots.valid[:, :, None, :]
+    return None if slots.bias is None else slots.bias[:, :, None, :]
 
 
 def sieve_attention_forward(
@@ -84,7 +86,7 @@ def sieve_attention_forward(
     recorder = layout.recorder
     if recorder is None:
         if attention_mask is None and query.shape[2] == 1 and varlen_available(query):
-            valid = layout.slots.valid
+            valid = layout.slots.valid()
             return varlen_attention(query, key, value, None if valid is None else valid.sum(-1), scale), None
         return masked_sdpa(query, key, value, visibility(layout, attention_mask, query.shape[2]), scale), None
     received = None

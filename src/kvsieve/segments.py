@@ -10,7 +10,8 @@ one *null entry* (zero key and value, position `PAD_POSITION`) that padded views
 Two layouts, chosen by the lengths: when every segment holds as many entries (and has as much
 room), the buffers are a grid `[rows, heads, capacity, head_dim]` and a padded view of them is
 free; otherwise the segments are packed and a padded view is gathered through `slots`, a
-`[segments, width]` table of buffer rows kept up to date as entries are appended.
+`[segments, width]` table of buffer rows (width = the largest capacity) kept up to date, with
+its attention bias, as entries are appended.
 """
 
 from __future__ import annotations
@@ -35,21 +36,25 @@ class Slots:
     """Which slots of a padded view hold entries, and at which cache positions (no key or value tensor).
 
     Attributes:
-        valid: `[rows, heads, length]` which slots hold an entry; None when all do.
-        source: the positions, `[rows, heads, length]` for a grid, the flat buffer otherwise.
+        bias: `[rows, heads, width]` additive attention bias, 0 where a slot holds an entry and
+            -inf where it is padding; None when every slot holds one.
+        source: the positions, `[rows, heads, width]` for a grid, the flat buffer otherwise.
         index: the flat buffer row of every slot (None for a grid).
     """
 
-    valid: torch.Tensor | None
+    bias: torch.Tensor | None
     source: torch.Tensor
     index: torch.Tensor | None
 
+    def valid(self) -> torch.Tensor | None:
+        """`[rows, heads, width]` bool: which slots hold an entry (None: all of them)."""
+        return None if self.bias is None else self.bias == 0
+
     def positions(self) -> torch.Tensor:
-        """`[rows, heads, length]` cache positions of the slots (`PAD_POSITION` for padding)."""
+        """`[rows, heads, width]` cache positions of the slots (`PAD_POSITION` for padding)."""
         if self.index is None:
             return self.source
-        rows, heads, length = self.valid.shape
-        return self.source.index_select(0, self.index).view(rows, heads, length)
+        return self.source.index_select(0, self.index).view(self.bias.shape)
 
 
 @dataclass(frozen=True)
@@ -104,8 +109,9 @@ class Segments:
         self.lengths_t = torch.tensor(self.lengths, dtype=torch.long, device=device)
         self.ends = self.starts + self.lengths_t
         slot = torch.arange(max(self.capacity), device=device)
-        self.valid = slot < self.lengths_t[:, None]
-        self.slots = torch.where(self.valid, self.starts[:, None] + slot, self.null_index)
+        valid = slot < self.lengths_t[:, None]
+        self.slots = torch.where(valid, self.starts[:, None] + slot, self.null_index)
+        self.bias = torch.zeros(valid.shape, dtype=keys.dtype, device=device).masked_fill_(~valid, float("-inf"))
 
     @classmethod
     def empty(
@@ -166,7 +172,7 @@ class Segments:
         if self.grid:
             n = self.lengths[0]
             for grid, states in zip(self._grids, (keys, values, positions), strict=True):
-                grid[:, :, n : n + q] = states
+                grid.narrow(2, n, q).copy_(states)
         else:
             target, columns = self.ends[:, None], self.lengths_t[:, None]
             if q > 1:
@@ -175,9 +181,9 @@ class Segments:
             flat = target.flatten()
             self.keys.index_copy_(0, flat, keys.reshape(-1, keys.shape[-1]))
             self.values.index_copy_(0, flat, values.reshape(-1, values.shape[-1]))
-            self.positions.index_copy_(0, flat, positions.expand(self.segments, q).reshape(-1))
+            self.positions.index_copy_(0, flat, positions.expand(self.segments, q).flatten())
             self.slots.scatter_(1, columns, target)
-            self.valid.scatter_(1, columns, True)
+            self.bias.scatter_(1, columns, 0.0)
             self.ends += q
             self.lengths_t += q
         self.lengths = [n + q for n in self.lengths]
@@ -205,17 +211,17 @@ class Segments:
         return starts[owner] + offset
 
     def padded(self) -> PaddedView:
-        """Every segment padded to the longest (free for a grid, gathered otherwise)."""
-        length = self.max_length
+        """Every segment padded: to its length for a grid (free), to the widest room otherwise (gathered)."""
         if self.grid:
-            keys, values, positions = (grid[:, :, :length] for grid in self._grids)
+            length = self.lengths[0]
+            keys, values, positions = (grid.narrow(2, 0, length) for grid in self._grids)
             return PaddedView(keys, values, Slots(None, positions, None))
-        shape = (self.rows, self.heads, length)
-        index = self.slots[:, :length].flatten()
+        shape = (self.rows, self.heads, self.slots.shape[1])
+        index = self.slots.view(-1)
         return PaddedView(
             keys=self.keys.index_select(0, index).view(*shape, -1),
             values=self.values.index_select(0, index).view(*shape, -1),
-            slots=Slots(self.valid[:, :length].view(shape), self.positions, index),
+            slots=Slots(self.bias.view(shape), self.positions, index),
         )
 
     def select(self, sources: Sequence[int], indices: Sequence[torch.Tensor], rows: int) -> Segments:
