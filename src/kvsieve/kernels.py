@@ -1,12 +1,13 @@
 """Attention over a padded view of ragged per-(row, kv-head) entries: one kernel call per layer.
 
 Every function takes `query [rows, q_heads, q, d]`, the padded `keys`/`values [rows, kv_heads,
-length, d]` a `SievedLayer` returned, and `visible [rows, kv_heads, q, length]` (bool; None when
-every column is visible to every query), and returns `[rows, q, q_heads, d]` as `transformers`'
-attention functions do. The query heads of a kv-head are folded into the query axis, so keys and
-values are read once and no call is made per head or per row.
+length, d]` a `SievedLayer` returned, and `visible [rows, kv_heads, q, length]` (bool, or an
+additive 0/-inf bias for a decoding step; None when every column is visible to every query),
+and returns `[rows, q, q_heads, d]` as `transformers`' attention functions do. The query heads
+of a kv-head are folded into the query axis, so keys and values are read once and no call is
+made per head or per row.
 
-- `masked_sdpa`: one `scaled_dot_product_attention` with the visibility as a boolean mask (every device).
+- `masked_sdpa`: one `scaled_dot_product_attention` with the visibility as its mask (every device).
 - `varlen_attention`: CUDA, half precision, no attention mask: torch's fused varlen flash kernel
   (`torch.nn.attention.varlen`), every (row, kv-head) one sequence of its own length, read in
   place from the padded tensors (no mask is built).
@@ -51,7 +52,7 @@ def masked_sdpa(
     visible: torch.Tensor | None,
     scaling: float,
 ) -> torch.Tensor:
-    """Exact attention as one `scaled_dot_product_attention` call with a boolean mask."""
+    """Exact attention as one `scaled_dot_product_attention` call, the visibility as its mask."""
     rows, q_heads, q, _ = query.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     mask = visible

@@ -10,8 +10,9 @@ one *null entry* (zero key and value, position `PAD_POSITION`) that padded views
 Two layouts, chosen by the lengths: when every segment holds as many entries (and has as much
 room), the buffers are a grid `[rows, heads, capacity, head_dim]` and a padded view of them is
 free; otherwise the segments are packed and a padded view is gathered through `slots`, a
-`[segments, width]` table of buffer rows (width = the largest capacity) kept up to date, with
-its attention bias, as entries are appended.
+`[segments, width]` table of every segment's buffer rows, its room included (width = the
+largest capacity; free room holds zeros), with an additive attention bias that opens a slot
+when an entry is appended to it.
 """
 
 from __future__ import annotations
@@ -71,6 +72,14 @@ def _exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(values, 0) - values
 
 
+def _buffers(entries: int, like: torch.Tensor, value_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zeroed key and value buffers and `PAD_POSITION` positions for `entries` rows plus the null entry."""
+    keys = like.new_zeros(entries + 1, like.shape[-1])
+    values = like.new_zeros(entries + 1, value_dim)
+    positions = torch.full((entries + 1,), PAD_POSITION, dtype=torch.long, device=like.device)
+    return keys, values, positions
+
+
 class Segments:
     """The entries of one layer, stored per (row, kv-head) with their cache positions."""
 
@@ -106,23 +115,21 @@ class Segments:
             shape = (self.rows, self.heads, self.capacity[0])
             self._grids = (keys[:-1].view(*shape, -1), values[:-1].view(*shape, -1), positions[:-1].view(shape))
             return
-        self.lengths_t = torch.tensor(self.lengths, dtype=torch.long, device=device)
-        self.ends = self.starts + self.lengths_t
-        slot = torch.arange(max(self.capacity), device=device)
-        valid = slot < self.lengths_t[:, None]
-        self.slots = torch.where(valid, self.starts[:, None] + slot, self.null_index)
+        lengths_t = torch.tensor(self.lengths, dtype=torch.long, device=device)
+        width = max(self.capacity)
+        slot = torch.arange(width, device=device)
+        self.slots = torch.where(slot < capacity_t[:, None], self.starts[:, None] + slot, self.null_index)
+        valid = slot < lengths_t[:, None]
         self.bias = torch.zeros(valid.shape, dtype=keys.dtype, device=device).masked_fill_(~valid, float("-inf"))
+        # the next free buffer row and the next free flat bias slot of every segment
+        self._cursor = torch.stack((self.starts, torch.arange(self.segments, device=device) * width)) + lengths_t
 
     @classmethod
     def empty(
         cls, capacity: Sequence[int], lengths: Sequence[int], rows: int, like: torch.Tensor, value_dim: int
     ) -> Segments:
         """Zeroed buffers for segments of the given capacities (plus the null entry)."""
-        total = sum(capacity) + 1
-        keys = like.new_zeros(total, like.shape[-1])
-        values = like.new_zeros(total, value_dim)
-        positions = torch.full((total,), PAD_POSITION, dtype=torch.long, device=like.device)
-        return cls(keys, values, positions, lengths, capacity, rows)
+        return cls(*_buffers(sum(capacity), like, value_dim), lengths, capacity, rows)
 
     @classmethod
     def from_dense(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> Segments:
@@ -174,41 +181,30 @@ class Segments:
             for grid, states in zip(self._grids, (keys, values, positions), strict=True):
                 grid.narrow(2, n, q).copy_(states)
         else:
-            target, columns = self.ends[:, None], self.lengths_t[:, None]
+            cursor = self._cursor[:, :, None]
             if q > 1:
-                offsets = torch.arange(q, device=self.keys.device)
-                target, columns = target + offsets, columns + offsets
-            flat = target.flatten()
-            self.keys.index_copy_(0, flat, keys.reshape(-1, keys.shape[-1]))
-            self.values.index_copy_(0, flat, values.reshape(-1, values.shape[-1]))
-            self.positions.index_copy_(0, flat, positions.expand(self.segments, q).flatten())
-            self.slots.scatter_(1, columns, target)
-            self.bias.scatter_(1, columns, 0.0)
-            self.ends += q
-            self.lengths_t += q
+                cursor = cursor + torch.arange(q, device=self.keys.device)
+            target, filled = cursor.flatten(1)
+            self.keys.index_copy_(0, target, keys.reshape(-1, keys.shape[-1]))
+            self.values.index_copy_(0, target, values.reshape(-1, values.shape[-1]))
+            self.positions.index_copy_(0, target, positions.expand(self.segments, q).flatten())
+            self.bias.view(-1).index_fill_(0, filled, 0.0)
+            self._cursor += q
         self.lengths = [n + q for n in self.lengths]
         self.free -= q
 
     def _relayout(self, incoming: int) -> None:
-        """Copy the entries into new buffers that give every segment room for `incoming` more, plus growth room."""
-        needed = [n + incoming for n in self.lengths]
-        moved = self.gather_into([n + max(BLOCK, math.floor(GROWTH * n)) for n in needed])
-        self._assign(moved.keys, moved.values, moved.positions, moved.lengths, moved.capacity)
-
-    def gather_into(self, capacity: Sequence[int]) -> Segments:
-        """The same entries in new buffers with the given capacity per segment."""
-        out = Segments.empty(capacity, self.lengths, self.rows, self.keys, self.values.shape[-1])
-        source, target = self._entry_index(self.starts), self._entry_index(out.starts)
-        for old, new in ((self.keys, out.keys), (self.values, out.values), (self.positions, out.positions)):
-            new.index_copy_(0, target, old.index_select(0, source))
-        return out
-
-    def _entry_index(self, starts: torch.Tensor) -> torch.Tensor:
-        """Buffer rows of every stored entry, segment after segment, for segments starting at `starts`."""
-        lengths = torch.tensor(self.lengths, dtype=torch.long, device=starts.device)
-        owner = torch.repeat_interleave(torch.arange(self.segments, device=starts.device), lengths)
-        offset = torch.arange(sum(self.lengths), device=starts.device) - _exclusive_cumsum(lengths)[owner]
-        return starts[owner] + offset
+        """Move the entries into new buffers that give every segment room for `incoming` more, plus growth room."""
+        capacity = [n + incoming + max(BLOCK, math.floor(GROWTH * (n + incoming))) for n in self.lengths]
+        buffers = _buffers(sum(capacity), self.keys, self.values.shape[-1])
+        starts = _exclusive_cumsum(torch.tensor(capacity, dtype=torch.long, device=self.keys.device))
+        # every buffer row of a segment (entries, then zeroed room) moves by the same offset
+        old_capacity = torch.tensor(self.capacity, dtype=torch.long, device=self.keys.device)
+        shift = torch.repeat_interleave(starts - self.starts, old_capacity, output_size=self.null_index)
+        target = torch.arange(self.null_index, device=self.keys.device) + shift
+        for old, new in zip((self.keys, self.values, self.positions), buffers, strict=True):
+            new.index_copy_(0, target, old[:-1])
+        self._assign(*buffers, self.lengths, capacity)
 
     def padded(self) -> PaddedView:
         """Every segment padded: to its length for a grid (free), to the widest room otherwise (gathered)."""
