@@ -158,23 +158,25 @@ def test_kvpress_imported_in_any_order_leaves_both_working(before, after):
 
 
 class _Counter:
+    """Counts fused attention calls and the observed prefill's chunks (one in-place `exp_` each)."""
+
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls = {"sdpa": 0, "softmax": 0}
-        sdpa, softmax = F.scaled_dot_product_attention, torch.softmax
+        self.calls = {"sdpa": 0, "chunks": 0}
+        sdpa, exp_ = F.scaled_dot_product_attention, torch.Tensor.exp_
 
         def counted_sdpa(*args: object, **kwargs: object) -> torch.Tensor:
             self.calls["sdpa"] += 1
             return sdpa(*args, **kwargs)
 
-        def counted_softmax(*args: object, **kwargs: object) -> torch.Tensor:
-            self.calls["softmax"] += 1
-            return softmax(*args, **kwargs)
+        def counted_exp_(tensor: torch.Tensor) -> torch.Tensor:
+            self.calls["chunks"] += 1
+            return exp_(tensor)
 
         monkeypatch.setattr(F, "scaled_dot_product_attention", counted_sdpa)
-        monkeypatch.setattr(torch, "softmax", counted_softmax)
+        monkeypatch.setattr(torch.Tensor, "exp_", counted_exp_)
 
     def take(self) -> dict[str, int]:
-        calls, self.calls = self.calls, {"sdpa": 0, "softmax": 0}
+        calls, self.calls = self.calls, {"sdpa": 0, "chunks": 0}
         return calls
 
 
@@ -199,8 +201,8 @@ def _attention_calls(kv_heads: int, rows: int, monkeypatch: pytest.MonkeyPatch) 
 
 def test_attention_calls_per_layer_do_not_grow_with_heads_or_batch(monkeypatch):
     few = _attention_calls(kv_heads=2, rows=1, monkeypatch=monkeypatch)
-    assert few[0] == {"sdpa": 0, "softmax": 2}, "the accumulating prefill: one chunk of every head and row per layer"
-    assert few[1:] == [{"sdpa": 2, "softmax": 0}] * 3, "one fused kernel call per layer"
+    assert few[0] == {"sdpa": 0, "chunks": 2}, "the accumulating prefill: one chunk of every head and row per layer"
+    assert few[1:] == [{"sdpa": 2, "chunks": 0}] * 3, "one fused kernel call per layer"
     for kv_heads, rows in [(8, 1), (2, 3), (8, 3)]:
         assert _attention_calls(kv_heads, rows, monkeypatch) == few
 

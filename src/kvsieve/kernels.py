@@ -26,10 +26,10 @@ try:  # a fused varlen flash kernel (CUDA); torch versions before 2.10 have none
 except ImportError:
     _varlen_attn = None
 
-#: Attention probabilities (float32) per (row, query head) in one chunk of an observed prefill:
-#: the chunk's query count depends on the context length only, so the number of calls does not
-#: grow with heads or rows. 256k (1 MiB per head) ran fastest on the default model at 2k and 4k
-#: (1M: 45% slower at 2k; 128k: 20% slower at 4k).
+#: Attention weights (float32) per (row, query head) in one chunk of an observed prefill: the
+#: chunk's query count depends on the context length only, so the number of calls does not grow
+#: with heads or rows. 256k (1 MiB per head) on the default model's shapes: 4% faster than 128k
+#: at 4k (17% slower at 2k, where the prefill is cheap anyway); 512k and 1M were slower at both.
 CHUNK_ELEMENTS = 1 << 18
 
 
@@ -106,9 +106,10 @@ def observed_attention(
         output `[rows, n, q_heads, d]` and received `[rows, q_heads, n]`: the attention each key
         received, summed over the queries (weighted).
 
-    A chunk of queries only reads the keys up to its last query (causality). Peak extra memory: two
-    float32 blocks of `rows * q_heads * CHUNK_ELEMENTS` (scores and probabilities); the `n x n`
-    matrix is never held.
+    A chunk of queries only reads the keys up to its last query (causality). The exponentials are
+    computed in place and never normalised as a matrix: the output is `(E @ V) / sum(E)` and the
+    received attention `(w / sum(E)) @ E`, one matrix-vector product. Peak extra memory: one float32
+    block of `rows * q_heads * CHUNK_ELEMENTS`; the `n x n` matrix is never held.
     """
     rows, q_heads, n, dim = query.shape
     kv_heads = keys.shape[1]
@@ -117,28 +118,27 @@ def observed_attention(
     grouped = query.float().reshape(rows, kv_heads, group, n, dim) * scaling
     keys_t, values_f = keys.float().transpose(-1, -2), values.float()
     out = torch.empty(rows, kv_heads, group, n, dim, dtype=torch.float32, device=query.device)
-    received = torch.zeros(rows, kv_heads, group, n, dtype=torch.float32, device=query.device)
+    received = torch.zeros(rows, kv_heads, group, 1, n, dtype=torch.float32, device=query.device)
     columns = torch.arange(n, device=query.device)
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
+        size = stop - start
         # the group's queries of the chunk side by side, so each kv-head's keys are read once
-        block = grouped[:, :, :, start:stop].reshape(rows, kv_heads, group * (stop - start), dim)
-        scores = (block @ keys_t[..., :stop]).view(rows, kv_heads, group, stop - start, stop)
+        block = grouped[:, :, :, start:stop].reshape(rows, kv_heads, group * size, dim)
+        scores = (block @ keys_t[..., :stop]).view(rows, kv_heads, group, size, stop)
         if attention_mask is None:  # causal: only the chunk's own block of keys has future ones
-            future = columns[None, start:stop] > columns[start:stop, None]
-            scores[..., start:stop].masked_fill_(future, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
+            scores[..., start:stop].masked_fill_(columns[None, start:stop] > columns[start:stop, None], float("-inf"))
         else:
-            allowed = attention_mask[:, :, start:stop, :stop].unsqueeze(2)
-            probs = torch.softmax(scores.masked_fill_(~allowed, float("-inf")), dim=-1)
-            probs.nan_to_num_(0.0)  # a query that sees nothing (padding) gets no output, as SDPA gives it
-        del scores
-        attended = probs.view(rows, kv_heads, group * (stop - start), stop) @ values_f[..., :stop, :]
-        out[..., start:stop, :] = attended.view(rows, kv_heads, group, stop - start, dim)
+            scores.masked_fill_(~attention_mask[:, :, start:stop, :stop].unsqueeze(2), float("-inf"))
+        top = scores.amax(dim=-1, keepdim=True).nan_to_num_(neginf=0.0)  # a query that sees nothing gets 0
+        weights = scores.sub_(top).exp_()
+        inverse = weights.sum(dim=-1, keepdim=True).reciprocal_().nan_to_num_(posinf=0.0)
+        attended = weights.view(rows, kv_heads, group * size, stop) @ values_f[..., :stop, :]
+        out[..., start:stop, :] = attended.view(rows, kv_heads, group, size, dim) * inverse
         if query_weight is not None:
-            probs *= query_weight[:, None, None, start:stop, None]
-        received[..., :stop] += probs.sum(dim=-2)
-    return _unfold(out.reshape(rows, kv_heads, group * n, dim), q_heads, n).to(query.dtype), received.flatten(1, 2)
+            inverse = inverse * query_weight[:, None, None, start:stop, None]
+        received[..., :stop] += inverse.transpose(-1, -2) @ weights
+    return _unfold(out.reshape(rows, kv_heads, group * n, dim), q_heads, n).to(query.dtype), received.flatten(1, 3)
 
 
 def varlen_available(query: torch.Tensor) -> bool:
