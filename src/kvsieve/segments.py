@@ -72,10 +72,17 @@ def _exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(values, 0) - values
 
 
-def _buffers(entries: int, like: torch.Tensor, value_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Zeroed key and value buffers and `PAD_POSITION` positions for `entries` rows plus the null entry."""
-    keys = like.new_zeros(entries + 1, like.shape[-1])
-    values = like.new_zeros(entries + 1, value_dim)
+def _buffers(
+    entries: int, like: torch.Tensor, value_dim: int, *, zeroed: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Key and value buffers and `PAD_POSITION` positions for `entries` rows plus the null entry.
+
+    The null entry is always zero; the other rows are zeroed only if `zeroed` (free room must hold
+    zeros, since padded views read it); otherwise the caller writes every one of them.
+    """
+    make = like.new_zeros if zeroed else like.new_empty
+    keys, values = make(entries + 1, like.shape[-1]), make(entries + 1, value_dim)
+    keys[-1], values[-1] = 0, 0
     positions = torch.full((entries + 1,), PAD_POSITION, dtype=torch.long, device=like.device)
     return keys, values, positions
 
@@ -125,17 +132,15 @@ class Segments:
         self._cursor = torch.stack((self.starts, torch.arange(self.segments, device=device) * width)) + lengths_t
 
     @classmethod
-    def empty(
-        cls, capacity: Sequence[int], lengths: Sequence[int], rows: int, like: torch.Tensor, value_dim: int
-    ) -> Segments:
-        """Zeroed buffers for segments of the given capacities (plus the null entry)."""
-        return cls(*_buffers(sum(capacity), like, value_dim), lengths, capacity, rows)
+    def unfilled(cls, lengths: Sequence[int], rows: int, like: torch.Tensor, value_dim: int) -> Segments:
+        """Exactly-sized segments (no free room) whose entries the caller writes, every one of them."""
+        return cls(*_buffers(sum(lengths), like, value_dim, zeroed=False), lengths, lengths, rows)
 
     @classmethod
     def from_dense(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> Segments:
         """Store `[rows, heads, n, d]` states at cache positions `[n]`: every segment holds all `n` entries."""
         rows, heads, n, _ = keys.shape
-        out = cls.empty([n] * rows * heads, [n] * rows * heads, rows, keys, values.shape[-1])
+        out = cls.unfilled([n] * rows * heads, rows, keys, values.shape[-1])
         for grid, states in zip(out._grids, (keys, values, positions), strict=True):
             grid.copy_(states)
         return out
@@ -196,7 +201,7 @@ class Segments:
     def _relayout(self, incoming: int) -> None:
         """Move the entries into new buffers that give every segment room for `incoming` more, plus growth room."""
         capacity = [n + incoming + max(BLOCK, math.floor(GROWTH * (n + incoming))) for n in self.lengths]
-        buffers = _buffers(sum(capacity), self.keys, self.values.shape[-1])
+        buffers = _buffers(sum(capacity), self.keys, self.values.shape[-1], zeroed=True)
         starts = _exclusive_cumsum(torch.tensor(capacity, dtype=torch.long, device=self.keys.device))
         # every buffer row of a segment (entries, then zeroed room) moves by the same offset
         old_capacity = torch.tensor(self.capacity, dtype=torch.long, device=self.keys.device)
@@ -229,7 +234,7 @@ class Segments:
         ]
         lengths = [int(p.numel()) for p in pieces]
         flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long, device=device)
-        out = Segments.empty(lengths, lengths, rows, self.keys, self.values.shape[-1])
+        out = Segments.unfilled(lengths, rows, self.keys, self.values.shape[-1])
         for old, new in ((self.keys, out.keys), (self.values, out.values), (self.positions, out.positions)):
             new[:-1] = old.index_select(0, flat)
         return out

@@ -149,7 +149,8 @@ def run_ppl(
         yield
         timers[stage] += time.perf_counter() - tick
 
-    configurations = [(None, 0.0)] + [(p, r) for p in resolved for r in rates]
+    # in order of rate: a batch is read padded to its widest row, so rows of a batch should be alike
+    configurations = [(None, 0.0), *sorted(((p, r) for p in resolved for r in rates), key=lambda c: c[1])]
     total, done = len(documents) * len(configurations), 0
     group = 1 if reprefill else rows_per_pass
     start = time.perf_counter()

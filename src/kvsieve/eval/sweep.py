@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import operator
 import time
 from collections.abc import Callable, Sequence
@@ -245,9 +246,14 @@ def _run_configurations(
 
 
 def _batches(todo: Sequence[tuple[Contender, float]], rows_per_pass: int) -> list[list[tuple[Contender, float]]]:
-    """kvsieve configurations in groups of `rows_per_pass`; each kvpress configuration on its own."""
-    kvsieve = [t for t in todo if t[0].library == "kvsieve"]
-    groups = [kvsieve[i : i + rows_per_pass] for i in range(0, len(kvsieve), rows_per_pass)]
+    """kvsieve configurations in even passes of at most `rows_per_pass`; each kvpress configuration on its own.
+
+    A batched cache is read padded to its widest row, so configurations go in order of rate and a
+    pass holds caches of similar size.
+    """
+    kvsieve = sorted((t for t in todo if t[0].library == "kvsieve"), key=lambda t: t[1])
+    size = math.ceil(len(kvsieve) / math.ceil(len(kvsieve) / rows_per_pass)) if kvsieve else 1
+    groups = [kvsieve[i : i + size] for i in range(0, len(kvsieve), size)]
     return groups + [[t] for t in todo if t[0].library != "kvsieve"]
 
 
