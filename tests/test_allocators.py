@@ -16,9 +16,9 @@ from kvsieve.allocators import (
     mass_share,
     pooled_counts,
     pyramid_budgets,
-    uniform_keep,
     zscore,
 )
+from kvsieve.budget import Rate, uniform_keep
 from kvsieve.segments import BLOCK
 
 SPECS = ["uniform", "pyramid", "adaptive", "global", "global:calibration=zscore", "global:safeguard=0.5"]
@@ -34,13 +34,18 @@ def _scores(layers: int = 4, heads: int = 3, n: int = 50, seed: int = 0) -> tupl
     return scores, evictable
 
 
+def _shares(evictable: list, rate: float) -> list[list[int]]:
+    """Uniform shares of a rate budget."""
+    return Rate(rate).shares(evictable, [~e for e in evictable])
+
+
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("rate", [0.0, 0.3, 0.8, 0.95])
 def test_every_allocator_keeps_the_uniform_total(spec, rate):
     """The rate is the rate: every allocator keeps exactly as many entries as uniform, within each head's range."""
     scores, evictable = _scores()
     allocator = kvsieve.make_policy(f"random+{spec}").allocator
-    counts = allocator.counts(scores, evictable, rate)
+    counts = allocator.counts(scores, evictable, _shares(evictable, rate))
     n_evictable = 43
     assert sum(map(sum, counts)) == 4 * 3 * uniform_keep(n_evictable, rate)
     assert all(0 <= c <= n_evictable for layer in counts for c in layer)
@@ -52,14 +57,15 @@ def test_pyramid_decreases_with_depth_and_follows_beta():
     assert budgets[-1] == pytest.approx(2.0) and budgets[0] == pytest.approx(78.0)
     assert sum(budgets) / 5 == pytest.approx(40.0)
     scores, evictable = _scores(layers=5, n=200)
-    counts = Pyramid(beta=20).counts(scores, evictable, 0.8)
+    counts = Pyramid(beta=20).counts(scores, evictable, _shares(evictable, 0.8))
     per_layer = [sum(layer) for layer in counts]
     assert per_layer == sorted(per_layer, reverse=True) and per_layer[0] > 5 * per_layer[-1]
 
 
 def test_pyramid_clips_at_the_evictable_entries_and_redistributes():
     scores, evictable = _scores(layers=4, n=50)
-    counts = Pyramid().counts(scores, evictable, 0.1)  # layer 0's share would exceed its 43 evictable entries
+    # layer 0's share would exceed its 43 evictable entries
+    counts = Pyramid().counts(scores, evictable, _shares(evictable, 0.1))
     assert max(max(layer) for layer in counts) == 43
     assert sum(map(sum, counts)) == 12 * uniform_keep(43, 0.1)
 
@@ -85,10 +91,10 @@ def test_adaptive_keeps_layer_totals_and_favours_concentrated_heads():
     weak = torch.linspace(0.0, 0.5, n)
     scores = [torch.stack([strong, weak])]
     evictable = [torch.ones(2, n, dtype=torch.bool)]
-    counts = Adaptive(safeguard=0.2).counts(scores, evictable, 0.5)
+    counts = Adaptive(safeguard=0.2).counts(scores, evictable, _shares(evictable, 0.5))
     assert sum(counts[0]) == 2 * 30
     assert counts[0] == [54, 6]  # floor = floor(0.2 * 30) = 6 for the weak head
-    assert Adaptive(safeguard=1.0).counts(scores, evictable, 0.5) == [[30, 30]]
+    assert Adaptive(safeguard=1.0).counts(scores, evictable, _shares(evictable, 0.5)) == [[30, 30]]
 
 
 def test_global_moves_budget_across_layers_on_calibrated_scores():
@@ -98,9 +104,9 @@ def test_global_moves_budget_across_layers_on_calibrated_scores():
     peaked[:, 10:14] = 1.0
     flat = torch.rand(2, n, generator=torch.Generator().manual_seed(0)) + 1.0
     scores, evictable = [peaked, flat], [torch.ones(2, n, dtype=torch.bool)] * 2
-    counts = Global().counts(scores, evictable, 0.5)
+    counts = Global().counts(scores, evictable, _shares(evictable, 0.5))
     assert sum(counts[0]) < sum(counts[1]) and sum(map(sum, counts)) == 4 * 40
-    floored = Global(safeguard=0.5).counts(scores, evictable, 0.5)
+    floored = Global(safeguard=0.5).counts(scores, evictable, _shares(evictable, 0.5))
     assert min(min(layer) for layer in floored) >= 20
 
 

@@ -97,7 +97,8 @@ def test_rows_of_one_prefill_equal_their_own_compression(model, ids, masked_refe
         if plan.policy is None:
             assert all(torch.equal(p, torch.arange(100)) for heads in kept[row] for p in heads)
             continue
-        alone = kvsieve.compress(model, ids[:, :100], plan.policy, plan.rate, protect_positions=plan.protect_positions)
+        protect = plan.protect_positions
+        alone = kvsieve.compress(model, ids[:, :100], plan.policy, plan.budget, protect_positions=protect)
         for layer in range(3):
             for a, b in zip(alone.kept_positions(layer), kept[row][layer], strict=True):
                 assert torch.equal(a, b)

@@ -10,7 +10,8 @@ import torch
 
 import kvsieve
 from conftest import tiny_llama
-from kvsieve.allocators import ALLOCATORS, evicted_count
+from kvsieve.allocators import ALLOCATORS
+from kvsieve.budget import evicted_count
 from kvsieve.scorers import SCORERS
 from kvsieve.segments import BLOCK, PAD_POSITION, Segments
 

@@ -2,15 +2,19 @@
 
 from .apply import EvictionConfig, SieveHandle, apply, compress
 from .attention import UnhookableModelError, UnsupportedAttentionError, sieve_attention
+from .budget import MaxBytes, MaxTokens, Rate
 from .cache import RaggedAttentionError, SievedCache
+from .errors import PolicyError
 from .models import ModelNotFoundError, load_model
 from .observe import Needs, Observation, Prefill, observe_cache, observe_prefill
-from .policy import Policy, PolicyError, known_policies, make_policy
+from .policy import Policy, known_policies, make_policy
 
 __version__ = "0.1.0"
 
 __all__ = [
     "EvictionConfig",
+    "MaxBytes",
+    "MaxTokens",
     "ModelNotFoundError",
     "Needs",
     "Observation",
@@ -18,6 +22,7 @@ __all__ = [
     "PolicyError",
     "Prefill",
     "RaggedAttentionError",
+    "Rate",
     "SieveHandle",
     "SievedCache",
     "UnhookableModelError",

@@ -1,8 +1,9 @@
-"""Allocators: turn scores and an eviction rate into keep counts per (layer, kv-head) of one sequence.
+"""Allocators: turn scores and a budget's uniform shares into keep counts per (layer, kv-head) of one sequence.
 
-Every allocator keeps the same total number of entries as `uniform` (the rate is the rate);
-they differ in where the entries go. Counts are of evictable entries (`evictable [kv_heads, n]`
-per layer: existing and not protected); protected entries are kept on top of them.
+A budget (`kvsieve.budget`) gives every head its uniform share; every allocator keeps the sum of
+the shares and differs only in where the entries go. Counts are of evictable entries
+(`evictable [kv_heads, n]` per layer: existing and not protected); protected entries are kept on
+top of them.
 """
 
 from __future__ import annotations
@@ -20,19 +21,12 @@ class Allocator(Protocol):
 
     name: ClassVar[str]
 
-    def counts(self, scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
-        """Keep counts of evictable entries per (layer, kv-head), from scores and masks `[kv_heads, n]`."""
+    def counts(
+        self, scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor], shares: Sequence[Sequence[int]]
+    ) -> list[list[int]]:
+        """Keep counts of evictable entries per (layer, kv-head), from scores and masks `[kv_heads, n]` and the
+        uniform shares (counts per head that sum to the budget)."""
         ...
-
-
-def evicted_count(n_evictable: int, rate: float) -> int:
-    """Entries to evict out of `n_evictable` at eviction rate `rate` (round half up)."""
-    return min(n_evictable, math.floor(rate * n_evictable + 0.5))
-
-
-def uniform_keep(n_evictable: int, rate: float) -> int:
-    """Evictable entries one head keeps under a uniform split."""
-    return n_evictable - evicted_count(n_evictable, rate)
 
 
 def apportion(targets: Sequence[float], caps: Sequence[int], total: int) -> list[int]:
@@ -115,11 +109,6 @@ def _evictable(scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor]
     ]
 
 
-def _shares(evictable: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
-    """Per layer, per kv-head: the evictable entries a uniform split keeps."""
-    return [[uniform_keep(int(n), rate) for n in masks.sum(dim=-1).tolist()] for masks in evictable]
-
-
 def _per_layer(flat: Sequence[int], heads: Sequence[int]) -> list[list[int]]:
     """Split a flat list of per-head counts back into layers of `heads[l]` heads."""
     out, start = [], 0
@@ -140,8 +129,10 @@ class Uniform:
 
     name: ClassVar[str] = "uniform"
 
-    def counts(self, scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
-        return _shares(evictable, rate)
+    def counts(
+        self, scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor], shares: Sequence[Sequence[int]]
+    ) -> list[list[int]]:
+        return [list(layer) for layer in shares]
 
 
 @dataclass(frozen=True)
@@ -159,9 +150,11 @@ class Pyramid:
         if self.beta < 1:
             raise ValueError(f"beta must be >= 1, got {self.beta}")
 
-    def counts(self, scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
+    def counts(
+        self, scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor], shares: Sequence[Sequence[int]]
+    ) -> list[list[int]]:
         heads = [s.shape[0] for s in scores]
-        total = sum(map(sum, _shares(evictable, rate)))
+        total = sum(map(sum, shares))
         budgets = pyramid_budgets(total / sum(heads), len(scores), self.beta)
         targets = [b for b, h in zip(budgets, heads, strict=True) for _ in range(h)]
         caps = [n for masks in evictable for n in masks.sum(dim=-1).tolist()]
@@ -182,11 +175,13 @@ class Adaptive:
     def __post_init__(self) -> None:
         _check_fraction("safeguard", self.safeguard)
 
-    def counts(self, scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
+    def counts(
+        self, scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor], shares: Sequence[Sequence[int]]
+    ) -> list[list[int]]:
         counts = []
-        for layer_scores, shares in zip(_evictable(scores, evictable), _shares(evictable, rate), strict=True):
-            floors = [math.floor(self.safeguard * share) for share in shares]
-            counts.append(pooled_counts(layer_scores, floors, sum(shares)))
+        for layer_scores, layer_shares in zip(_evictable(scores, evictable), shares, strict=True):
+            floors = [math.floor(self.safeguard * share) for share in layer_shares]
+            counts.append(pooled_counts(layer_scores, floors, sum(layer_shares)))
         return counts
 
 
@@ -210,12 +205,14 @@ class Global:
             raise ValueError(f"unknown calibration {self.calibration!r}; valid: {', '.join(CALIBRATIONS)}")
         _check_fraction("safeguard", self.safeguard)
 
-    def counts(self, scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor], rate: float) -> list[list[int]]:
+    def counts(
+        self, scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor], shares: Sequence[Sequence[int]]
+    ) -> list[list[int]]:
         calibrate = CALIBRATIONS[self.calibration]
-        shares = [share for layer in _shares(evictable, rate) for share in layer]
+        flat_shares = [share for layer in shares for share in layer]
         flat = [calibrate(s) for layer_scores in _evictable(scores, evictable) for s in layer_scores]
-        floors = [math.floor(self.safeguard * share) for share in shares]
-        return _per_layer(pooled_counts(flat, floors, sum(shares)), [s.shape[0] for s in scores])
+        floors = [math.floor(self.safeguard * share) for share in flat_shares]
+        return _per_layer(pooled_counts(flat, floors, sum(flat_shares)), [s.shape[0] for s in scores])
 
 
 ALLOCATORS: dict[str, type] = {cls.name: cls for cls in (Uniform, Pyramid, Adaptive, Global)}

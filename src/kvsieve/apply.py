@@ -11,9 +11,11 @@ from types import TracebackType
 import torch
 
 from .attention import sieve_attention
+from .budget import Budget, check_rate, make_budget
 from .cache import SievedCache
+from .errors import PolicyError
 from .observe import Observation, Prefill, check_input_ids, observe_prefill
-from .policy import DEFAULT_N_SINK, DEFAULT_SLIDING_WINDOW, Policy, PolicyError, check_rate, make_policy
+from .policy import DEFAULT_N_SINK, DEFAULT_SLIDING_WINDOW, Policy, make_policy
 
 
 def question_protection(n_context: int, n_question: int, sliding_window: int) -> torch.Tensor:
@@ -46,15 +48,21 @@ def compress(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     policy: str | Policy = "importance",
-    rate: float = 0.5,
+    rate: float | None = None,
     *,
+    max_tokens: int | None = None,
+    max_bytes: int | None = None,
     attention_mask: torch.Tensor | None = None,
     budget: str | None = None,
     question_ids: torch.Tensor | None = None,
     protect_positions: torch.Tensor | None = None,
     **policy_params: object,
 ) -> SievedCache:
-    """Prefill `input_ids` and return a cache from which `rate` of each sequence's evictable entries are gone.
+    """Prefill `input_ids` and return a cache that holds what the budget allows of each sequence.
+
+    The budget is one of: `rate`, the evicted fraction of each sequence's evictable entries
+    (default 0.5); `max_tokens`, the entries each sequence keeps per (layer, kv-head) on average,
+    protected ones included; `max_bytes`, the bytes of keys and values each sequence keeps.
 
     The prefill runs on sieve attention (exact; the model's own attention comes back afterwards).
     Decode from the cache under `kvsieve.sieve_attention(model)`:
@@ -72,13 +80,15 @@ def compress(
         input_ids: `[batch, tokens]`; pad with `attention_mask` (left or right padding).
         policy: a `Policy` or a spec such as ``"snapkv"`` or ``"snapkv+adaptive:window=16"``.
         rate: evicted fraction of the evictable entries, in [0, 1).
+        max_tokens: entries kept per (layer, kv-head) on average; the allocator decides the split.
+        max_bytes: bytes of keys and values kept per sequence (all layers).
         attention_mask: `[batch, tokens]`, 1 for real tokens and 0 for padding.
         budget: the allocator (``uniform``, ``pyramid``, ``adaptive``, ``global``) if `policy` names none.
         question_ids: `[batch, q]` tokens of the question, for question-aware compression (unpadded rows).
         protect_positions: token positions (counted over each sequence's real tokens) never to evict.
         policy_params: scorer and allocator parameters and `n_sink` / `sliding_window`.
     """
-    rate = check_rate(rate)
+    limit = make_budget(rate, max_tokens, max_bytes)
     resolved = make_policy(policy, budget=budget, **policy_params)
     check_input_ids(model, input_ids)
     if question_ids is not None:
@@ -89,7 +99,7 @@ def compress(
     keep = []
     for row, observations in enumerate(prefill.observations):
         try:
-            keep.append(prefill.stored(row, resolved.keep_indices(observations, rate, protect_positions)))
+            keep.append(prefill.stored(row, resolved.keep_indices(observations, limit, protect_positions)))
         except PolicyError as err:
             if len(prefill.observations) == 1:
                 raise
@@ -99,16 +109,17 @@ def compress(
 
 @dataclass(frozen=True)
 class Eviction:
-    """One eviction of a prefill: a policy (None: keep everything), a rate, and positions never to evict."""
+    """One eviction of a prefill: a policy (None: keep everything), a budget (a rate, or `kvsieve.budget`'s
+    `MaxTokens` / `MaxBytes`) and positions never to evict."""
 
     policy: str | Policy | None
-    rate: float = 0.0
+    budget: float | Budget = 0.0
     protect_positions: torch.Tensor | None = None
 
     def keep_indices(self, observations: Sequence[Observation]) -> list[list[torch.Tensor]]:
         if self.policy is None:
             return [[torch.arange(o.length) for _ in range(o.num_kv_heads)] for o in observations]
-        return make_policy(self.policy).keep_indices(observations, self.rate, self.protect_positions)
+        return make_policy(self.policy).keep_indices(observations, self.budget, self.protect_positions)
 
 
 def evictions(prefill: Prefill, plans: Sequence[Eviction], row: int = 0) -> SievedCache:

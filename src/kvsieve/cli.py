@@ -19,6 +19,7 @@ from rich.table import Table
 from .allocators import ALLOCATORS
 from .apply import compress
 from .attention import sieve_attention
+from .budget import check_rate
 from .data import essay_texts, sample_documents
 from .data.sample import TaskSample
 from .data.suites import resolve_tasks, task_samples
@@ -29,7 +30,7 @@ from .eval.perplexity import Progress as ProgressCallback
 from .eval.sweep import check_modes, run_sweep, sample_survival
 from .models import load_model
 from .observe import observe_prefill
-from .policy import check_rate, make_policy, split_policies
+from .policy import make_policy, split_policies
 from .report import plot_ppl, ppl_markdown, ppl_table
 from .report.figures import plot_eviction_map
 from .report.html import MANIFEST_FILE, RESULTS_FILE, accuracy_pivot, write_report

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 
 from .attention import UnhookableModelError, sieve_attention
 from .cache import SievedCache, SievedLayer
-from .segments import PAD_POSITION
+from .segments import PAD_POSITION, entry_bytes
 
 #: Queries at the end of the context that window scorers read by default.
 DEFAULT_WINDOW = 32
@@ -128,6 +128,11 @@ class Observation:
     def group(self) -> int:
         """Query heads per kv-head."""
         return self.stats.q_heads // self.num_kv_heads
+
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes of one entry's key and value."""
+        return entry_bytes(self.keys, self.values)
 
     @property
     def scaling(self) -> float:

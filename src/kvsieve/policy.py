@@ -9,22 +9,13 @@ from dataclasses import dataclass, field
 import torch
 
 from .allocators import ALLOCATORS, Allocator, Uniform, keep_indices
+from .budget import Budget, Rate
+from .errors import PolicyError
 from .observe import Needs, Observation
 from .scorers import SCORERS, Scorer
 
 DEFAULT_N_SINK = 1
 DEFAULT_SLIDING_WINDOW = 32
-
-
-class PolicyError(ValueError):
-    """An unknown policy, allocator or parameter, or a value outside its range."""
-
-
-def check_rate(rate: float) -> float:
-    """Eviction rates live in [0, 1): 1 would evict every evictable entry."""
-    if not isinstance(rate, (int, float)) or not 0.0 <= float(rate) < 1.0:
-        raise PolicyError(f"eviction rate must be in [0, 1), got {rate!r}")
-    return float(rate)
 
 
 def protected_mask(
@@ -58,8 +49,9 @@ def _non_defaults(obj: object) -> list[str]:
 class Policy:
     """Which entries to keep: a scorer, an allocator and the protection rule.
 
-    `rate` counts the evicted fraction of the evictable (unprotected) entries; every
-    allocator keeps the same total, so policies at one rate hold the same bytes.
+    A budget (`kvsieve.budget`: a rate of the evictable, unprotected entries, or a size) sets how
+    many entries stay; every allocator keeps the same total, so policies under one budget hold the
+    same bytes.
     """
 
     scorer: Scorer
@@ -88,19 +80,17 @@ class Policy:
     def keep_indices(
         self,
         observations: Sequence[Observation],
-        rate: float,
+        budget: float | Budget,
         protect_positions: torch.Tensor | None = None,
     ) -> list[list[torch.Tensor]]:
-        """Indices of the observed entries of one sequence to keep, per layer and kv-head."""
-        rate = check_rate(rate)
+        """Indices of the observed entries of one sequence to keep, per layer and kv-head.
+
+        `budget` is a `kvsieve.budget` budget, or an eviction rate.
+        """
+        budget = Rate(budget) if isinstance(budget, (int, float)) else budget
         protected = [protected_mask(o, self.n_sink, self.sliding_window, protect_positions) for o in observations]
         evictable = [o.valid_mask & ~p for o, p in zip(observations, protected, strict=True)]
-        if rate > 0 and not any(bool(e.any()) for e in evictable):
-            raise PolicyError(
-                f"nothing to evict: the sequence has {observations[0].length} tokens and all are protected "
-                f"(n_sink={self.n_sink}, sliding_window={self.sliding_window}); "
-                "use a longer context or less protection"
-            )
+        shares = budget.shares(evictable, protected, observations[0].entry_bytes)
         scores = [self.scorer.score(o) for o in observations]
         for o, s in zip(observations, scores, strict=True):
             if s.shape != (o.num_kv_heads, o.length):
@@ -108,7 +98,7 @@ class Policy:
                     f"{self.scorer.name} returned scores of shape {tuple(s.shape)} for layer {o.layer_idx}, "
                     f"expected {(o.num_kv_heads, o.length)}"
                 )
-        counts = self.allocator.counts(scores, evictable, rate)
+        counts = self.allocator.counts(scores, evictable, shares)
         return [keep_indices(*args) for args in zip(scores, protected, evictable, counts, strict=True)]
 
 

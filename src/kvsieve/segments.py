@@ -68,6 +68,11 @@ class PaddedView:
     slots: Slots
 
 
+def entry_bytes(keys: torch.Tensor, values: torch.Tensor) -> int:
+    """Bytes of one entry's key and value, for keys and values whose last dimension is the head's."""
+    return keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size()
+
+
 def _exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(values, 0) - values
 
@@ -159,7 +164,7 @@ class Segments:
 
     def entry_bytes(self) -> int:
         """Bytes of one stored entry's key and value."""
-        return self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
+        return entry_bytes(self.keys, self.values)
 
     def nbytes(self) -> int:
         """Bytes of the stored keys and values."""

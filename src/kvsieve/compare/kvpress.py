@@ -34,9 +34,8 @@ import torch
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..allocators import evicted_count
 from ..attention import attention_implementation
-from ..policy import check_rate
+from ..budget import check_rate, evicted_count
 
 #: The presses this adapter runs, by kvsieve name.
 KVPRESS_PRESSES: tuple[str, ...] = (

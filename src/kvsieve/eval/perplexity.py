@@ -26,9 +26,10 @@ import torch.nn.functional as F
 
 from ..apply import Eviction, evictions
 from ..attention import sieve_attention
+from ..budget import check_rate
 from ..cache import SievedCache
 from ..observe import Needs, observe_prefill
-from ..policy import Policy, check_rate, make_policy
+from ..policy import Policy, make_policy
 from .stats import bootstrap_delta_ci, pooled_delta_pct, pooled_ppl
 
 #: Called after each (document, configuration) with (done, total).

@@ -32,9 +32,10 @@ from transformers import Cache
 
 from ..apply import Eviction, evictions, question_protection
 from ..attention import sieve_attention
+from ..budget import check_rate
 from ..data.sample import EncodedSample, TaskSample, encode
 from ..observe import Needs, Prefill, observe_prefill
-from ..policy import DEFAULT_N_SINK, DEFAULT_SLIDING_WINDOW, check_rate
+from ..policy import DEFAULT_N_SINK, DEFAULT_SLIDING_WINDOW
 from .answers import judge
 from .contenders import Contender, parse_contenders
 from .perplexity import per_document_policy

@@ -1,0 +1,145 @@
+"""Budgets: how many entries one sequence keeps, stated as a rate, an entry count or a byte count.
+
+A budget turns the entries a sequence holds into every (layer, kv-head)'s *uniform share*: how
+many of its evictable entries it keeps under a uniform split. Allocators then move shares between
+heads and layers (`kvsieve.allocators`), always keeping their sum, so every allocator holds the
+same bytes under the same budget.
+
+- `Rate(r)`: evict the fraction `r` of each head's evictable entries (round half up).
+- `MaxTokens(m)`: hold `m` entries per (layer, kv-head) on average, protected entries included.
+- `MaxBytes(b)`: hold at most `b` bytes of keys and values for the sequence, all layers together.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .errors import PolicyError
+
+#: The eviction rate `compress` uses when no budget is given.
+DEFAULT_RATE = 0.5
+
+
+def check_rate(rate: float) -> float:
+    """Eviction rates live in [0, 1): 1 would evict every evictable entry."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= float(rate) < 1.0:
+        raise PolicyError(f"eviction rate must be in [0, 1), got {rate!r}")
+    return float(rate)
+
+
+def evicted_count(n_evictable: int, rate: float) -> int:
+    """Entries to evict out of `n_evictable` at eviction rate `rate` (round half up)."""
+    return min(n_evictable, math.floor(rate * n_evictable + 0.5))
+
+
+def uniform_keep(n_evictable: int, rate: float) -> int:
+    """Evictable entries one head keeps under a uniform split."""
+    return n_evictable - evicted_count(n_evictable, rate)
+
+
+def _check_count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PolicyError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+class Budget(Protocol):
+    """How many entries a sequence keeps: each (layer, kv-head)'s uniform share of its evictable entries."""
+
+    def shares(
+        self, evictable: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], entry_bytes: int
+    ) -> list[list[int]]:
+        """Per layer, per kv-head: evictable entries kept under a uniform split.
+
+        Args:
+            evictable, protected: per layer, `[kv_heads, n]` bool masks of the sequence's entries.
+            entry_bytes: bytes of one entry's key and value.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class Rate:
+    """Evict the fraction `rate` of every head's evictable entries."""
+
+    rate: float
+
+    def __post_init__(self) -> None:
+        check_rate(self.rate)
+
+    def shares(
+        self, evictable: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], entry_bytes: int = 0
+    ) -> list[list[int]]:
+        if self.rate > 0 and not any(bool(masks.any()) for masks in evictable):
+            raise PolicyError(
+                f"nothing to evict: the sequence has {evictable[0].shape[-1]} tokens and all are protected "
+                "(n_sink + sliding_window + protected positions); use a longer context or less protection"
+            )
+        return [[uniform_keep(int(n), self.rate) for n in masks.sum(dim=-1).tolist()] for masks in evictable]
+
+
+@dataclass(frozen=True)
+class MaxTokens:
+    """Hold `max_tokens` entries per (layer, kv-head) on average, protected entries included.
+
+    A head's uniform share is what its protected entries leave of `max_tokens` (all of its
+    evictable entries when it has fewer); the allocator may move shares between heads.
+    """
+
+    max_tokens: int
+
+    def __post_init__(self) -> None:
+        _check_count("max_tokens", self.max_tokens)
+
+    def shares(
+        self, evictable: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], entry_bytes: int = 0
+    ) -> list[list[int]]:
+        out = []
+        for layer_idx, (masks, kept) in enumerate(zip(evictable, protected, strict=True)):
+            n_protected = kept.sum(dim=-1)
+            if int(n_protected.max()) > self.max_tokens:
+                raise PolicyError(
+                    f"max_tokens={self.max_tokens} is smaller than the {int(n_protected.max())} protected entries "
+                    f"of a kv-head in layer {layer_idx} (n_sink + sliding_window + protected positions); "
+                    "raise max_tokens or protect less"
+                )
+            out.append(torch.minimum(self.max_tokens - n_protected, masks.sum(dim=-1)).tolist())
+        return out
+
+
+@dataclass(frozen=True)
+class MaxBytes:
+    """Hold at most `max_bytes` of keys and values for the sequence: `MaxTokens` of what fits per (layer, kv-head)."""
+
+    max_bytes: int
+
+    def __post_init__(self) -> None:
+        _check_count("max_bytes", self.max_bytes)
+
+    def shares(
+        self, evictable: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], entry_bytes: int = 0
+    ) -> list[list[int]]:
+        heads = sum(masks.shape[0] for masks in evictable)
+        per_head = self.max_bytes // (heads * entry_bytes)
+        if per_head < 1:
+            raise PolicyError(
+                f"max_bytes={self.max_bytes} is below one entry per (layer, kv-head): "
+                f"{heads} heads x {entry_bytes} bytes = {heads * entry_bytes} bytes at least"
+            )
+        return MaxTokens(per_head).shares(evictable, protected)
+
+
+def make_budget(rate: float | None = None, max_tokens: int | None = None, max_bytes: int | None = None) -> Budget:
+    """The one budget given (a rate of `DEFAULT_RATE` when none is), or a clear error when several are."""
+    given = [k for k, v in (("rate", rate), ("max_tokens", max_tokens), ("max_bytes", max_bytes)) if v is not None]
+    if len(given) > 1:
+        raise PolicyError(f"give one budget, not {' and '.join(given)}: a rate, max_tokens or max_bytes")
+    if max_tokens is not None:
+        return MaxTokens(max_tokens)
+    if max_bytes is not None:
+        return MaxBytes(max_bytes)
+    return Rate(DEFAULT_RATE if rate is None else rate)
