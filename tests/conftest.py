@@ -86,6 +86,15 @@ class MaskedReference:
             model(prefix, past_key_values=self.cache)
         model.set_attn_implementation(previous)
 
+    def allow(self, kept: list[list[torch.Tensor]]) -> None:
+        """From now on, every (layer, kv-head) sees exactly the positions `kept[layer][kv_head]`."""
+        for layer, heads in enumerate(kept):
+            for head, positions in enumerate(heads):
+                allowed = torch.zeros(4096, dtype=torch.bool)
+                allowed[positions.cpu()] = True
+                self.allowed[layer][head] = allowed
+        _ALLOWED.update(self.allowed)
+
     def __enter__(self) -> MaskedReference:
         self._previous = self.model.config._attn_implementation
         self.model.set_attn_implementation(REFERENCE_ATTENTION)

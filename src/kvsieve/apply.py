@@ -11,10 +11,11 @@ from types import TracebackType
 import torch
 
 from .attention import sieve_attention
-from .budget import Budget, check_rate, make_budget
+from .budget import Budget, make_budget
 from .cache import SievedCache
 from .errors import PolicyError
-from .observe import Observation, Prefill, check_input_ids, observe_prefill
+from .growth import DEFAULT_BUFFER, BoundedGrowth
+from .observe import Observation, Prefill, check_input_ids, layer_statistics, observe_prefill
 from .policy import DEFAULT_N_SINK, DEFAULT_SLIDING_WINDOW, Policy, make_policy
 
 
@@ -52,6 +53,7 @@ def compress(
     *,
     max_tokens: int | None = None,
     max_bytes: int | None = None,
+    buffer: int | None = None,
     attention_mask: torch.Tensor | None = None,
     budget: str | None = None,
     question_ids: torch.Tensor | None = None,
@@ -62,7 +64,9 @@ def compress(
 
     The budget is one of: `rate`, the evicted fraction of each sequence's evictable entries
     (default 0.5); `max_tokens`, the entries each sequence keeps per (layer, kv-head) on average,
-    protected ones included; `max_bytes`, the bytes of keys and values each sequence keeps.
+    protected ones included; `max_bytes`, the bytes of keys and values each sequence keeps. With
+    `buffer`, a size budget also holds while the cache grows: decoding evicts back to it whenever
+    `buffer` more tokens per (layer, kv-head) have come in (`kvsieve.growth`).
 
     The prefill runs on sieve attention (exact; the model's own attention comes back afterwards).
     Decode from the cache under `kvsieve.sieve_attention(model)`:
@@ -82,6 +86,8 @@ def compress(
         rate: evicted fraction of the evictable entries, in [0, 1).
         max_tokens: entries kept per (layer, kv-head) on average; the allocator decides the split.
         max_bytes: bytes of keys and values kept per sequence (all layers).
+        buffer: with a size budget, keep it during decoding: tokens per (layer, kv-head) the cache
+            grows past it before it is evicted again (`kvsieve.growth.DEFAULT_BUFFER` is 64).
         attention_mask: `[batch, tokens]`, 1 for real tokens and 0 for padding.
         budget: the allocator (``uniform``, ``pyramid``, ``adaptive``, ``global``) if `policy` names none.
         question_ids: `[batch, q]` tokens of the question, for question-aware compression (unpadded rows).
@@ -90,6 +96,7 @@ def compress(
     """
     limit = make_budget(rate, max_tokens, max_bytes)
     resolved = make_policy(policy, budget=budget, **policy_params)
+    growth = _growth(model, resolved, limit, sized=max_tokens is not None or max_bytes is not None, buffer=buffer)
     check_input_ids(model, input_ids)
     if question_ids is not None:
         input_ids, protected = _with_question(model, input_ids, attention_mask, question_ids, resolved.sliding_window)
@@ -104,7 +111,22 @@ def compress(
             if len(prefill.observations) == 1:
                 raise
             raise PolicyError(f"sequence {row} of the batch: {err}") from None
-    return prefill.cache.keep(keep)
+    cache = prefill.cache.keep(keep)
+    if growth is not None:
+        growth.start(prefill)
+        cache.growth = growth
+    return cache
+
+
+def _growth(
+    model: torch.nn.Module, policy: Policy, limit: Budget, *, sized: bool, buffer: int | None
+) -> BoundedGrowth | None:
+    """What holds a size budget during decoding (None without a buffer), or a clear error for a buffer and a rate."""
+    if buffer is None:
+        return None
+    if not sized:
+        raise PolicyError("buffer bounds a size budget (max_tokens or max_bytes) during decoding; a rate has no size")
+    return BoundedGrowth.of(policy, limit, buffer, layer_statistics(model))
 
 
 @dataclass(frozen=True)
@@ -134,21 +156,34 @@ def evictions(prefill: Prefill, plans: Sequence[Eviction], row: int = 0) -> Siev
 
 @dataclass(frozen=True)
 class EvictionConfig:
-    """The one-call configuration: evict `eviction_rate` of each prompt's evictable entries.
+    """The one-call configuration: a policy and a budget for every prompt `generate()` sees.
 
-    `eviction_mode` is a policy spec (scorer, optionally `+allocator` and parameters); `budget`
-    names the allocator when the spec does not.
+    The budget is `eviction_rate` (default 0.5) of each prompt's evictable entries, or a size:
+    `max_tokens` per (layer, kv-head) on average, or `max_bytes` per sequence. A size also holds
+    during generation: the cache is evicted back to it whenever it has grown by `buffer` tokens
+    per (layer, kv-head). `eviction_mode` is a policy spec (scorer, optionally `+allocator` and
+    parameters); `budget` names the allocator when the spec does not.
     """
 
-    eviction_rate: float
+    eviction_rate: float | None = None
     eviction_mode: str = "importance"
     budget: str | None = None
     n_sink: int = DEFAULT_N_SINK
     sliding_window: int = DEFAULT_SLIDING_WINDOW
+    max_tokens: int | None = None
+    max_bytes: int | None = None
+    buffer: int = DEFAULT_BUFFER
 
     def __post_init__(self) -> None:
-        check_rate(self.eviction_rate)
-        self.policy()  # validates the mode and the protection
+        limit = make_budget(self.eviction_rate, self.max_tokens, self.max_bytes)
+        policy = self.policy()  # validates the mode and the protection
+        if self.sized:
+            BoundedGrowth(policy, limit, self.buffer, [])  # validates the buffer and that the policy can re-score
+
+    @property
+    def sized(self) -> bool:
+        """Whether the budget is a size (and so bounds generation)."""
+        return self.max_tokens is not None or self.max_bytes is not None
 
     def policy(self) -> Policy:
         return make_policy(
@@ -162,8 +197,9 @@ class SieveHandle:
     The model runs on sieve attention while the handle is active. Each prompt minus its last
     token is prefilled and compressed (every row of a batch with its own budget; pass the
     `attention_mask` of a padded batch); `generate` then feeds the last token and decodes from
-    the compressed cache. Prompts with nothing evictable are not compressed. `last_cache` is the
-    cache of the latest call. `remove()` (or leaving the with-block) gives the model back its own
+    the compressed cache, which a size budget keeps bounded however long the generation. Under
+    a rate, prompts with nothing evictable are not compressed. `last_cache` is the cache of the
+    latest call. `remove()` (or leaving the with-block) gives the model back its own
     `generate` and attention.
     """
 
@@ -187,15 +223,23 @@ class SieveHandle:
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
         if kwargs.get("past_key_values") is not None or not isinstance(input_ids, torch.Tensor):
             return original(input_ids, **kwargs)
+        config = self.config
+        if config.sized and int(kwargs.get("num_beams") or self.model.generation_config.num_beams or 1) > 1:
+            raise PolicyError(
+                "beam search cannot run on a bounded cache (max_tokens, max_bytes): use greedy or sampling"
+            )
         mask = kwargs.get("attention_mask")
         context_mask = None if mask is None else mask[:, :-1]
         shortest = input_ids.shape[-1] - 1 if mask is None else int(context_mask.sum(dim=-1).min())
-        if shortest > self._policy.n_sink + self._policy.sliding_window:
+        if shortest > (0 if config.sized else self._policy.n_sink + self._policy.sliding_window):
             cache = compress(
                 self.model,
                 input_ids[:, :-1],
                 self._policy,
-                self.config.eviction_rate,
+                config.eviction_rate,
+                max_tokens=config.max_tokens,
+                max_bytes=config.max_bytes,
+                buffer=config.buffer if config.sized else None,
                 attention_mask=context_mask,
             )
             kwargs["past_key_values"] = self.last_cache = cache

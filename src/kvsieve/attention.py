@@ -77,6 +77,8 @@ def sieve_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """`transformers`' attention-function signature: `query [batch, heads, q, d]` -> `[batch, q, heads, d]`."""
     layout = layout_of(key)
+    if layout is not None and layout.queries is not None:
+        layout.queries.append(layout.layer_idx, query, layout.query_positions)
     if layout is None or (layout.contiguous and layout.recorder is None):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs

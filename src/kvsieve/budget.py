@@ -62,6 +62,14 @@ class Budget(Protocol):
         ...
 
 
+class SizeBudget(Budget, Protocol):
+    """A budget that is a size, so it bounds a cache that grows (during generation)."""
+
+    def tokens_per_head(self, heads: int, entry_bytes: int) -> int:
+        """Entries per (layer, kv-head) on average, for `heads` (layer, kv-head) pairs of `entry_bytes` entries."""
+        ...
+
+
 @dataclass(frozen=True)
 class Rate:
     """Evict the fraction `rate` of every head's evictable entries."""
@@ -95,6 +103,10 @@ class MaxTokens:
     def __post_init__(self) -> None:
         _check_count("max_tokens", self.max_tokens)
 
+    def tokens_per_head(self, heads: int, entry_bytes: int) -> int:
+        """Entries per (layer, kv-head) on average."""
+        return self.max_tokens
+
     def shares(
         self, evictable: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], entry_bytes: int = 0
     ) -> list[list[int]]:
@@ -120,17 +132,21 @@ class MaxBytes:
     def __post_init__(self) -> None:
         _check_count("max_bytes", self.max_bytes)
 
-    def shares(
-        self, evictable: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], entry_bytes: int = 0
-    ) -> list[list[int]]:
-        heads = sum(masks.shape[0] for masks in evictable)
+    def tokens_per_head(self, heads: int, entry_bytes: int) -> int:
+        """Entries per (layer, kv-head) that fit, for `heads` (layer, kv-head) pairs of `entry_bytes` entries."""
         per_head = self.max_bytes // (heads * entry_bytes)
         if per_head < 1:
             raise PolicyError(
                 f"max_bytes={self.max_bytes} is below one entry per (layer, kv-head): "
                 f"{heads} heads x {entry_bytes} bytes = {heads * entry_bytes} bytes at least"
             )
-        return MaxTokens(per_head).shares(evictable, protected)
+        return per_head
+
+    def shares(
+        self, evictable: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], entry_bytes: int = 0
+    ) -> list[list[int]]:
+        heads = sum(masks.shape[0] for masks in evictable)
+        return MaxTokens(self.tokens_per_head(heads, entry_bytes)).shares(evictable, protected)
 
 
 def make_budget(rate: float | None = None, max_tokens: int | None = None, max_bytes: int | None = None) -> Budget:

@@ -16,16 +16,26 @@ that says so instead of computing a wrong answer.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .layout import RaggedLayout, Recorder, in_sieve_scope, publish
+from .layout import QueryLog, RaggedLayout, Recorder, in_sieve_scope, publish
 from .segments import Segments
 
 #: `keep[row][layer][kv_head]`: indices of the stored entries to keep.
 KeepIndices = Sequence[Sequence[Sequence[torch.Tensor]]]
+
+
+class Growth(Protocol):
+    """Bounds a cache while it grows (see `kvsieve.growth.BoundedGrowth`); `queries` logs what its scorer reads."""
+
+    queries: QueryLog | None
+
+    def before_append(self, cache: SievedCache, incoming: int) -> None:
+        """Called before a forward appends `incoming` tokens to every layer; may evict."""
+        ...
 
 
 class RaggedAttentionError(RuntimeError):
@@ -203,13 +213,14 @@ class SievedCache(Cache):
     (context + new tokens) and feeds only the tokens the cache has not seen.
     """
 
-    def __init__(self, layers: list[SievedLayer] | None = None) -> None:
+    def __init__(self, layers: list[SievedLayer] | None = None, growth: Growth | None = None) -> None:
         if layers is None:
             super().__init__(layer_class_to_replicate=SievedLayer)
         else:
             super().__init__(layers=list(layers))
             self.layer_class_to_replicate = SievedLayer
         self.recorder: Recorder | None = None
+        self.growth = growth
 
     def update(
         self,
@@ -218,16 +229,19 @@ class SievedCache(Cache):
         layer_idx: int,
         cache_kwargs: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append through the layer's own `update`, then publish its layout for sieve attention."""
+        """Append through the layer's own `update` (after `growth` had its say), then publish its layout."""
         evicted = layer_idx < len(self.layers) and not self.layers[layer_idx].contiguous
-        if (evicted or self.recorder is not None) and not in_sieve_scope():
+        if (evicted or self.recorder is not None or self.growth is not None) and not in_sieve_scope():
             raise RaggedAttentionError(
                 "this SievedCache was evicted (its kv-heads keep different entries), which only kvsieve's sieve "
                 "attention reads correctly: run the model under `with kvsieve.sieve_attention(model):`"
             )
+        if layer_idx == 0 and self.growth is not None:
+            self.growth.before_append(self, key_states.shape[-2])
         keys, values = super().update(key_states, value_states, layer_idx, cache_kwargs)
         layout = self.layers[layer_idx].layout
         layout.layer_idx, layout.recorder = layer_idx, self.recorder
+        layout.queries = None if self.growth is None else self.growth.queries
         publish(keys, layout)
         return keys, values
 
@@ -275,7 +289,7 @@ class SievedCache(Cache):
             layer.keep([per_layer[layer_idx] for per_layer in keep], rows)
             for layer_idx, layer in enumerate(self.layers)
         ]
-        return SievedCache(layers)
+        return SievedCache(layers, self.growth)
 
     def evict(self, keep: KeepIndices) -> None:
         """Keep only the given stored entries of every row, in place; the dropped tensors are released."""

@@ -42,6 +42,12 @@ class Recorder(Protocol):
     ) -> None: ...
 
 
+class QueryLog(Protocol):
+    """Receives every decoding forward's queries, layer by layer (see `kvsieve.growth.RecentQueries`)."""
+
+    def append(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor) -> None: ...
+
+
 @dataclass
 class RaggedLayout:
     """The structure of one layer's returned key/value tensors.
@@ -54,6 +60,7 @@ class RaggedLayout:
             function reads the tensors correctly.
         layer_idx: the layer.
         recorder: set during an observed prefill.
+        queries: set on a cache that keeps recent queries for eviction during generation.
     """
 
     slots: Slots
@@ -61,6 +68,7 @@ class RaggedLayout:
     contiguous: bool
     layer_idx: int
     recorder: Recorder | None = None
+    queries: QueryLog | None = None
 
 
 _LAYOUTS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()

@@ -379,21 +379,34 @@ def _prefill_observation(
     return Observation(layer_idx, num_layers, keys, values, positions, None, stats, rotary)
 
 
-def observe_cache(model: torch.nn.Module, cache: SievedCache, row: int = 0) -> list[Observation]:
+def layer_statistics(model: torch.nn.Module) -> list[Statistics]:
+    """Per layer, what every observation states: the softmax scale and the number of query heads."""
+    return [
+        Statistics(scaling=layer.self_attn.scaling, q_heads=layer.self_attn.config.num_attention_heads)
+        for layer in model.base_model.layers
+    ]
+
+
+def cached_observations(cache: SievedCache, layers: Sequence[Statistics], row: int = 0) -> list[Observation]:
     """Observations of the entries a (possibly evicted) cache holds for one sequence, one per layer.
 
-    Nothing is recomputed: scorers that read only keys, values and positions work on them;
-    scorers that read prefill queries or accumulated attention raise a clear error.
+    Every kv-head has its own entries, padded to the longest and marked by `valid`; `layers` gives
+    each layer's `Statistics` (`layer_statistics`). Nothing is recomputed: scorers that read only
+    keys, values and positions work on them; scorers that read prefill queries or accumulated
+    attention raise a clear error.
     """
-    modules = [layer.self_attn for layer in model.base_model.layers]
     observations = []
-    for idx, (layer, module) in enumerate(zip(cache.layers, modules, strict=False)):
+    for idx, (layer, stats) in enumerate(zip(cache.layers, layers, strict=True)):
         view = layer.segments.padded()
         positions = view.slots.positions()[row]
         valid = positions != PAD_POSITION
         positions = positions.masked_fill(~valid, -1)
-        stats = Statistics(scaling=module.scaling, q_heads=module.config.num_attention_heads)
         observations.append(
             Observation(idx, len(cache.layers), view.keys[row], view.values[row], positions, valid, stats)
         )
     return observations
+
+
+def observe_cache(model: torch.nn.Module, cache: SievedCache, row: int = 0) -> list[Observation]:
+    """`cached_observations` of one sequence of `cache`, with the layer statistics read from `model`."""
+    return cached_observations(cache, layer_statistics(model), row)

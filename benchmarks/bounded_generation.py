@@ -1,0 +1,160 @@
+"""Bounded generation: a cache held at `max_tokens` while the default model generates thousands of tokens.
+
+The default model decodes `--steps` tokens greedily from a short essay prompt twice: from a
+kvsieve cache compressed to `max_tokens` with `buffer` (it is evicted back to the budget every
+`buffer` steps), and from the model's own unbounded `DynamicCache`. Every `--every` steps we
+sample KV bytes held and allocated, the process RSS and the median step time of the last
+`--every` steps. Until the first eviction the two caches hold the same entries: the first 64
+steps' logits must agree. Then a soak on a tiny random model: `--soak-steps` steps, checking
+that the budget holds, the newest stored position is the step count and RSS stays flat.
+
+    python benchmarks/bounded_generation.py [--steps 8000] [--max-tokens 512] [--soak-steps 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import kvsieve
+from kvsieve.data import long_context
+
+RESULTS = Path(__file__).parent / "results"
+MIB = 1 << 20
+
+
+def rss_mib() -> float:
+    return psutil.Process().memory_info().rss / MIB
+
+
+@torch.no_grad()
+def decode(model: torch.nn.Module, cache: object, first: torch.Tensor, steps: int, every: int, label: str) -> dict:
+    """Greedy decoding of `steps` tokens, one forward each; samples every `every` steps and the first 64 logits."""
+    token, times, samples, early = first, [], [], []
+    for step in track(range(1, steps + 1), description=label):
+        tick = time.perf_counter()
+        logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+        times.append(time.perf_counter() - tick)
+        token = logits.argmax(-1, keepdim=True)
+        if step <= 64:
+            early.append(logits.clone())
+        if step % every == 0:
+            held = cache.nbytes() if isinstance(cache, kvsieve.SievedCache) else dense_nbytes(cache)
+            allocated = cache.allocated_nbytes() if isinstance(cache, kvsieve.SievedCache) else held
+            samples.append(
+                {
+                    "step": step,
+                    "kv_mib": held / MIB,
+                    "allocated_mib": allocated / MIB,
+                    "rss_mib": rss_mib(),
+                    "step_ms": 1e3 * statistics.median(times[-every:]),
+                }
+            )
+    return {"samples": samples, "early": torch.stack(early)}
+
+
+def dense_nbytes(cache: DynamicCache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+def default_model_run(args: argparse.Namespace, console: Console) -> dict:
+    model, tokenizer = kvsieve.load_model()
+    prompt = long_context(tokenizer, args.prompt)[:, : args.prompt]
+    first = prompt[:, -1:]
+    cache = kvsieve.compress(model, prompt[:, :-1], args.policy, max_tokens=args.max_tokens, buffer=args.buffer)
+    with kvsieve.sieve_attention(model):
+        bounded = decode(model, cache, first, args.steps, args.every, "bounded")
+    dense = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=prompt[:, :-1], past_key_values=dense, use_cache=True)
+    unbounded = decode(model, dense, first, args.steps, args.every, "unbounded")
+    early_error = float((bounded["early"] - unbounded["early"]).abs().max())
+    table = Table(
+        "step", "bounded KV MiB", "allocated MiB", "RSS MiB", "step ms", "unbounded KV MiB", "step ms", "time ratio"
+    )
+    rows = []
+    for b, u in zip(bounded["samples"], unbounded["samples"], strict=True):
+        ratio = b["step_ms"] / u["step_ms"]
+        rows.append({"step": b["step"], "bounded": b, "unbounded": u, "time_ratio": ratio})
+        table.add_row(
+            str(b["step"]),
+            f"{b['kv_mib']:.2f}",
+            f"{b['allocated_mib']:.2f}",
+            f"{b['rss_mib']:.0f}",
+            f"{b['step_ms']:.1f}",
+            f"{u['kv_mib']:.2f}",
+            f"{u['step_ms']:.1f}",
+            f"{ratio:.2f}",
+        )
+    console.print(table)
+    console.print(f"first 64 steps, largest logit difference bounded vs unbounded: {early_error:.2e}")
+    return {"rows": rows, "first_64_max_abs_logit_diff": early_error}
+
+
+@torch.no_grad()
+def soak(args: argparse.Namespace, console: Console) -> dict:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=args.soak_steps + 1024,
+    )
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (1, 64))
+    max_tokens, buffer = 48, 16
+    cache = kvsieve.compress(model, ids, args.policy, max_tokens=max_tokens, buffer=buffer)
+    token, rss, worst = ids[:, -1:], [], 0.0
+    with kvsieve.sieve_attention(model):
+        for step in track(range(1, args.soak_steps + 1), description="soak"):
+            token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            lengths = cache.stored_lengths()
+            worst = max(worst, sum(map(sum, lengths)) / sum(map(len, lengths)))
+            if step % 1000 == 0:
+                newest = {int(p.max()) for layer in range(2) for p in cache.kept_positions(layer)}
+                if newest != {63 + step}:
+                    raise AssertionError(f"step {step}: newest stored positions {newest}, expected {63 + step}")
+                rss.append(rss_mib())
+    if worst > max_tokens + buffer:
+        raise AssertionError(f"the cache held {worst} entries per head, budget {max_tokens} + buffer {buffer}")
+    console.print(
+        f"soak: {args.soak_steps} steps, at most {worst:.1f} entries per head (budget {max_tokens} + {buffer}), "
+        f"RSS {rss[0]:.0f} -> {rss[-1]:.0f} MiB (after 1k and {args.soak_steps // 1000}k steps)"
+    )
+    return {"steps": args.soak_steps, "max_held_per_head": worst, "rss_mib_every_1000": rss}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=8000)
+    parser.add_argument("--every", type=int, default=500)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--buffer", type=int, default=64)
+    parser.add_argument("--policy", default="knorm")
+    parser.add_argument("--soak-steps", type=int, default=100_000)
+    args = parser.parse_args()
+    console = Console()
+    report = {"policy": args.policy, "max_tokens": args.max_tokens, "buffer": args.buffer, "steps": args.steps}
+    report["default_model"] = default_model_run(args, console)
+    report["soak"] = soak(args, console)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "bounded_generation.json").write_text(json.dumps(report, indent=2))
+    console.print(f"wrote {RESULTS / 'bounded_generation.json'}")
+
+
+if __name__ == "__main__":
+    main()

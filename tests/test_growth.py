@@ -1,0 +1,110 @@
+"""Eviction during generation: a size budget holds while the cache grows, and decoding stays exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvsieve
+from conftest import tiny_llama
+
+PROMPT, MAX_TOKENS, BUFFER = 60, 40, 8  # 33 entries per head are protected (1 sink + 32 recent)
+
+
+def _held_per_head(cache: kvsieve.SievedCache, row: int = 0) -> float:
+    lengths = cache.stored_lengths(row)
+    return sum(map(sum, lengths)) / sum(map(len, lengths))
+
+
+@pytest.mark.parametrize(
+    "spec", ["streaming", "knorm", "keydiff+adaptive", "random+global", "snapkv", "tova+adaptive", "window:window=8"]
+)
+@torch.no_grad()
+def test_every_step_stays_within_budget_and_equals_the_masked_reference(model, ids, masked_reference, spec):
+    """Step t's logits equal a full cache that masks exactly what was evicted before step t."""
+    ids = torch.randint(0, 128, (1, PROMPT + 50), generator=torch.Generator().manual_seed(2))
+    cache = kvsieve.compress(model, ids[:, :PROMPT], spec, max_tokens=MAX_TOKENS, buffer=BUFFER)
+    assert _held_per_head(cache) == MAX_TOKENS
+    reference = masked_reference(model, ids[:, :PROMPT], [cache.kept_positions(i) for i in range(3)])
+    evictions = 0
+    for t in range(PROMPT, ids.shape[1]):
+        before = _held_per_head(cache)
+        with kvsieve.sieve_attention(model):
+            ours = model(ids[:, t : t + 1], past_key_values=cache).logits
+        held = _held_per_head(cache)
+        assert held <= MAX_TOKENS + BUFFER, f"step {t}: {held} entries per head"
+        evictions += held < before
+        kept = [cache.kept_positions(layer) for layer in range(3)]
+        assert all(int(p.max()) == t and int(p.min()) == 0 for heads in kept for p in heads), "sink and newest kept"
+        with reference:
+            reference.allow(kept)
+            expected = model(ids[:, t : t + 1], past_key_values=reference.cache).logits
+        torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+    assert evictions == 50 // BUFFER, "evicted back to the budget once every `buffer` steps"
+
+
+@torch.no_grad()
+def test_apply_keeps_generate_bounded_for_greedy_and_sampling(model):
+    prompt = torch.randint(0, 128, (2, 50), generator=torch.Generator().manual_seed(4))
+    config = kvsieve.EvictionConfig(eviction_mode="knorm+global", max_tokens=MAX_TOKENS, buffer=BUFFER)
+    with kvsieve.apply(model, config) as handle:
+        greedy = model.generate(prompt, max_new_tokens=120, min_new_tokens=120, do_sample=False, pad_token_id=0)
+        assert greedy.shape == (2, 170)
+        assert max(_held_per_head(handle.last_cache, row) for row in range(2)) <= MAX_TOKENS + BUFFER
+        assert handle.last_cache.get_seq_length() == 169, "the last generated token is never fed"
+        sampled = model.generate(prompt[:1], max_new_tokens=100, min_new_tokens=100, do_sample=True, pad_token_id=0)
+        assert sampled.shape == (1, 150) and _held_per_head(handle.last_cache) <= MAX_TOKENS + BUFFER
+        with pytest.raises(kvsieve.PolicyError, match="beam search cannot run on a bounded cache"):
+            model.generate(prompt, max_new_tokens=4, num_beams=2, pad_token_id=0)
+
+
+@torch.no_grad()
+def test_a_long_bounded_run_keeps_positions_and_flat_storage():
+    """Long soak on a tiny model: positions stay right, storage stays flat."""
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    cache = kvsieve.compress(model, ids, "streaming", max_tokens=36, buffer=4)
+    token = ids[:, -1:]
+    allocated = []
+    with kvsieve.sieve_attention(model):
+        for _ in range(600):
+            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            allocated.append(cache.allocated_nbytes())
+    kept = cache.kept_positions(0)
+    assert cache.get_seq_length() == 640
+    newest = [p[-32:] for p in kept]
+    assert all(torch.equal(p, torch.arange(608, 640)) for p in newest), "the recent window is the last 32 tokens"
+    assert max(allocated[100:]) <= max(allocated[:100]), "storage does not grow once the budget is reached"
+
+
+@torch.no_grad()
+def test_recent_queries_are_the_last_queries_of_the_sequence(model):
+    """With nothing evicted, the logged queries equal those an observed prefill of the whole sequence records."""
+    ids = torch.randint(0, 128, (2, 90), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[1, :10] = 0  # left padding: positions are cache positions on both sides
+    cache = kvsieve.compress(model, ids[:, :70], "snapkv", max_tokens=500, buffer=8, attention_mask=mask[:, :70])
+    with kvsieve.sieve_attention(model):
+        for t in range(70, 90):
+            position = mask[:, : t + 1].cumsum(-1)[:, -1:] - 1  # as generate() places padded rows
+            model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=position, past_key_values=cache)
+    whole = kvsieve.observe_prefill(model, ids, kvsieve.Needs(window=32), attention_mask=mask)
+    log = cache.growth.queries
+    for layer in range(3):
+        for row in range(2):
+            stats = whole.observations[row][layer].stats
+            entries = whole.entries[row]
+            positions = stats.window_positions if entries is None else entries[stats.window_positions]
+            torch.testing.assert_close(log.queries[layer][row], stats.window_queries, atol=1e-5, rtol=0)
+            assert torch.equal(log.positions[layer][row], positions)
+
+
+def test_bad_bounded_configurations_name_the_problem(model, ids):
+    with pytest.raises(kvsieve.PolicyError, match="buffer bounds a size budget"):
+        kvsieve.compress(model, ids[:, :PROMPT], "knorm", 0.5, buffer=8)
+    with pytest.raises(kvsieve.PolicyError, match="buffer must be an integer >= 1, got 0"):
+        kvsieve.compress(model, ids[:, :PROMPT], "knorm", max_tokens=40, buffer=0)
+    with pytest.raises(kvsieve.PolicyError, match="h2o reads attention accumulated over all queries"):
+        kvsieve.EvictionConfig(eviction_mode="h2o", max_tokens=1024)
+    with pytest.raises(kvsieve.PolicyError, match="give one budget, not rate and max_tokens"):
+        kvsieve.EvictionConfig(eviction_rate=0.5, max_tokens=1024)
