@@ -272,7 +272,7 @@ class SievedCache(Cache):
         return sum(layer.allocated_nbytes() for layer in self.layers)
 
     def keep(self, keep: KeepIndices, rows: Sequence[int] | None = None) -> SievedCache:
-        """A new cache holding only the given stored entries; the original is left as it is.
+        """A new cache holding only the given stored entries (without `growth`); the original is left as it is.
 
         Args:
             keep: `keep[i][layer][kv_head]` indexes the stored entries of `rows[i]` to keep.
@@ -289,7 +289,7 @@ class SievedCache(Cache):
             layer.keep([per_layer[layer_idx] for per_layer in keep], rows)
             for layer_idx, layer in enumerate(self.layers)
         ]
-        return SievedCache(layers, self.growth)
+        return SievedCache(layers)
 
     def evict(self, keep: KeepIndices) -> None:
         """Keep only the given stored entries of every row, in place; the dropped tensors are released."""
