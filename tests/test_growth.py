@@ -100,7 +100,7 @@ def test_recent_queries_are_the_last_queries_of_the_sequence(model):
 
 
 def test_bad_bounded_configurations_name_the_problem(model, ids):
-    with pytest.raises(kvsieve.PolicyError, match="buffer bounds a size budget"):
+    with pytest.raises(kvsieve.PolicyError, match="buffer and chunk bound a size budget"):
         kvsieve.compress(model, ids[:, :PROMPT], "knorm", 0.5, buffer=8)
     with pytest.raises(kvsieve.PolicyError, match="buffer must be an integer >= 1, got 0"):
         kvsieve.compress(model, ids[:, :PROMPT], "knorm", max_tokens=40, buffer=0)
@@ -108,3 +108,58 @@ def test_bad_bounded_configurations_name_the_problem(model, ids):
         kvsieve.EvictionConfig(eviction_mode="h2o", max_tokens=1024)
     with pytest.raises(kvsieve.PolicyError, match="give one budget, not rate and max_tokens"):
         kvsieve.EvictionConfig(eviction_rate=0.5, max_tokens=1024)
+
+
+@pytest.mark.parametrize("spec", ["snapkv", "knorm+global"])
+@torch.no_grad()
+def test_chunked_prefill_equals_the_masked_reference_chunk_by_chunk(model, masked_reference, spec):
+    """Each chunk sees exactly what was kept before it; compress(chunk=) is that loop, evicted after the last chunk."""
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(7))
+    chunk = 40
+    cache = kvsieve.compress(model, ids[:, :chunk], spec, max_tokens=MAX_TOKENS, buffer=chunk)
+    reference = masked_reference(model, ids[:, :chunk], [cache.kept_positions(i) for i in range(3)])
+    for start in range(chunk, 200, chunk):
+        with kvsieve.sieve_attention(model):
+            ours = model(ids[:, start : start + chunk], past_key_values=cache).logits
+        assert _held_per_head(cache) <= MAX_TOKENS + chunk
+        with reference:
+            reference.allow([cache.kept_positions(layer) for layer in range(3)])
+            expected = model(ids[:, start : start + chunk], past_key_values=reference.cache).logits
+        torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+    cache.growth.evict(cache)
+    chunked = kvsieve.compress(model, ids, spec, max_tokens=MAX_TOKENS, chunk=chunk)
+    assert _held_per_head(chunked) == MAX_TOKENS and chunked.growth is None
+    for layer in range(3):
+        pairs = zip(chunked.kept_positions(layer), cache.kept_positions(layer), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_chunked_prefill_never_holds_more_than_budget_plus_chunk(model, monkeypatch):
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(8))
+    peaks = []
+    update = kvsieve.SievedCache.update
+
+    def recorded(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        out = update(self, key_states, value_states, layer_idx, cache_kwargs)
+        if layer_idx == 2:  # the last layer: the forward's tokens are in every layer
+            peaks.append(_held_per_head(self))
+        return out
+
+    monkeypatch.setattr(kvsieve.SievedCache, "update", recorded)
+    cache = kvsieve.compress(model, ids, "tova", max_tokens=MAX_TOKENS, chunk=32, buffer=BUFFER)
+    assert len(peaks) == 300 // 32 + 1 and max(peaks) <= MAX_TOKENS + 32
+    assert _held_per_head(cache) == MAX_TOKENS and cache.growth.buffer == BUFFER
+    assert cache.get_seq_length() == 300
+
+
+def test_bad_chunking_names_the_problem(model, ids):
+    with pytest.raises(kvsieve.PolicyError, match="chunk must be an integer >= 1"):
+        kvsieve.compress(model, ids, "knorm", max_tokens=40, chunk=0)
+    with pytest.raises(kvsieve.PolicyError, match="buffer and chunk bound a size budget"):
+        kvsieve.compress(model, ids, "knorm", 0.5, chunk=32)
+    mask = torch.ones_like(ids)
+    mask[:, :3] = 0
+    with pytest.raises(kvsieve.PolicyError, match="a chunked prefill takes unpadded prompts"):
+        kvsieve.compress(model, ids, "knorm", max_tokens=40, chunk=32, attention_mask=mask)
+    with pytest.raises(kvsieve.PolicyError, match="does not take question_ids or protect_positions"):
+        kvsieve.compress(model, ids, "knorm", max_tokens=40, chunk=32, question_ids=ids[:, :4])

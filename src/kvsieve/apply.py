@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -54,6 +55,7 @@ def compress(
     max_tokens: int | None = None,
     max_bytes: int | None = None,
     buffer: int | None = None,
+    chunk: int | None = None,
     attention_mask: torch.Tensor | None = None,
     budget: str | None = None,
     question_ids: torch.Tensor | None = None,
@@ -66,7 +68,9 @@ def compress(
     (default 0.5); `max_tokens`, the entries each sequence keeps per (layer, kv-head) on average,
     protected ones included; `max_bytes`, the bytes of keys and values each sequence keeps. With
     `buffer`, a size budget also holds while the cache grows: decoding evicts back to it whenever
-    `buffer` more tokens per (layer, kv-head) have come in (`kvsieve.growth`).
+    `buffer` more tokens per (layer, kv-head) have come in (`kvsieve.growth`). With `chunk`, the
+    prompt itself is prefilled `chunk` tokens at a time and evicted back to the size budget
+    before each next chunk and after the last, so it never holds more than budget + chunk.
 
     The prefill runs on sieve attention (exact; the model's own attention comes back afterwards).
     Decode from the cache under `kvsieve.sieve_attention(model)`:
@@ -88,6 +92,7 @@ def compress(
         max_bytes: bytes of keys and values kept per sequence (all layers).
         buffer: with a size budget, keep it during decoding: tokens per (layer, kv-head) the cache
             grows past it before it is evicted again (`kvsieve.growth.DEFAULT_BUFFER` is 64).
+        chunk: with a size budget, prefill this many tokens at a time (unpadded prompts).
         attention_mask: `[batch, tokens]`, 1 for real tokens and 0 for padding.
         budget: the allocator (``uniform``, ``pyramid``, ``adaptive``, ``global``) if `policy` names none.
         question_ids: `[batch, q]` tokens of the question, for question-aware compression (unpadded rows).
@@ -96,13 +101,18 @@ def compress(
     """
     limit = make_budget(rate, max_tokens, max_bytes)
     resolved = make_policy(policy, budget=budget, **policy_params)
-    growth = _growth(model, resolved, limit, sized=max_tokens is not None or max_bytes is not None, buffer=buffer)
     check_input_ids(model, input_ids)
     if question_ids is not None:
         input_ids, protected = _with_question(model, input_ids, attention_mask, question_ids, resolved.sliding_window)
         protect_positions = protected if protect_positions is None else torch.cat([protect_positions, protected])
         attention_mask = None
-    prefill = observe_prefill(model, input_ids, resolved.needs, attention_mask=attention_mask)
+    growth = None
+    if chunk is not None or buffer is not None:
+        sized = max_tokens is not None or max_bytes is not None
+        _check_bounded(sized, buffer, chunk, attention_mask, protect_positions)
+        growth = BoundedGrowth.of(resolved, limit, chunk or buffer, layer_statistics(model))
+    first = input_ids if chunk is None else input_ids[:, :chunk]
+    prefill = observe_prefill(model, first, resolved.needs, attention_mask=attention_mask)
     keep = []
     for row, observations in enumerate(prefill.observations):
         try:
@@ -114,19 +124,38 @@ def compress(
     cache = prefill.cache.keep(keep)
     if growth is not None:
         growth.start(prefill)
-        cache.growth = growth
+        if chunk is not None and input_ids.shape[1] > chunk:
+            _feed_chunks(model, cache, growth, input_ids[:, chunk:], chunk)
+        cache.growth = None if buffer is None else dataclasses.replace(growth, buffer=buffer)
     return cache
 
 
-def _growth(
-    model: torch.nn.Module, policy: Policy, limit: Budget, *, sized: bool, buffer: int | None
-) -> BoundedGrowth | None:
-    """What holds a size budget during decoding (None without a buffer), or a clear error for a buffer and a rate."""
-    if buffer is None:
-        return None
+def _check_bounded(
+    sized: bool, buffer: int | None, chunk: int | None, attention_mask: torch.Tensor | None, protect: object
+) -> None:
+    """A clear error for a buffer or a chunked prefill that cannot be honoured."""
     if not sized:
-        raise PolicyError("buffer bounds a size budget (max_tokens or max_bytes) during decoding; a rate has no size")
-    return BoundedGrowth.of(policy, limit, buffer, layer_statistics(model))
+        raise PolicyError("buffer and chunk bound a size budget (max_tokens or max_bytes); a rate has no size")
+    if chunk is None:
+        return
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise PolicyError(f"chunk must be an integer >= 1 (tokens per prefill chunk), got {chunk!r}")
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise PolicyError("a chunked prefill takes unpadded prompts; compress padded rows one at a time")
+    if protect is not None:
+        raise PolicyError("a chunked prefill does not take question_ids or protect_positions yet")
+
+
+@torch.no_grad()
+def _feed_chunks(
+    model: torch.nn.Module, cache: SievedCache, growth: BoundedGrowth, rest: torch.Tensor, chunk: int
+) -> None:
+    """Feed `rest` `chunk` tokens at a time; `growth` evicts to the budget before each chunk and after the last."""
+    cache.growth = growth
+    with sieve_attention(model):
+        for start in range(0, rest.shape[1], chunk):
+            model(input_ids=rest[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    growth.evict(cache)
 
 
 @dataclass(frozen=True)

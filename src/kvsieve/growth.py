@@ -126,8 +126,13 @@ class BoundedGrowth:
         held = [sum(map(sum, cache.stored_lengths(row))) for row in range(cache.batch_size)]
         if max(held) + incoming * heads <= limit * heads:
             return
-        keep = [self.policy.keep_indices(self.observations(cache, row), self.budget) for row in range(cache.batch_size)]
-        cache.evict(keep)
+        self.evict(cache)
+
+    def evict(self, cache: SievedCache) -> None:
+        """Evict every sequence of `cache` back to the budget."""
+        cache.evict(
+            [self.policy.keep_indices(self.observations(cache, row), self.budget) for row in range(cache.batch_size)]
+        )
 
     def observations(self, cache: SievedCache, row: int) -> list[Observation]:
         """What the scorer reads for one sequence: the entries the cache holds and the recent queries."""
