@@ -163,3 +163,22 @@ def test_bad_chunking_names_the_problem(model, ids):
         kvsieve.compress(model, ids, "knorm", max_tokens=40, chunk=32, attention_mask=mask)
     with pytest.raises(kvsieve.PolicyError, match="does not take question_ids or protect_positions"):
         kvsieve.compress(model, ids, "knorm", max_tokens=40, chunk=32, question_ids=ids[:, :4])
+
+
+@torch.no_grad()
+def test_generate_compresses_or_continues_from_the_new_tokens_only(model, ids):
+    gen = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    out = kvsieve.generate(model, ids[:, :100], "snapkv", 0.5, **gen)
+    cache = kvsieve.compress(model, ids[:, :99], "snapkv", 0.5)
+    with kvsieve.sieve_attention(model):
+        expected = model.generate(ids[:, :100], past_key_values=cache, **gen)
+    assert torch.equal(out, expected)
+    cache, same = (kvsieve.compress(model, ids[:, :90], "snapkv", 0.5) for _ in range(2))
+    continued = kvsieve.generate(model, ids[:, 90:100], cache=cache, **gen)
+    with kvsieve.sieve_attention(model):
+        whole = model.generate(ids[:, :100], past_key_values=same, **gen)
+    assert torch.equal(continued, whole[:, 90:]), "only the new tokens in, the same tokens out"
+    with pytest.raises(ValueError, match="new tokens alone continue a cache of one sequence"):
+        kvsieve.generate(model, ids[:, 90:100].repeat(2, 1), cache=cache.copy(rows=[0, 0]), **gen)
+    with pytest.raises(kvsieve.PolicyError, match="beam search cannot run on a compressed cache"):
+        kvsieve.generate(model, ids[:, :100], "snapkv", 0.5, num_beams=2, max_new_tokens=2)

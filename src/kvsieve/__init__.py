@@ -5,6 +5,7 @@ from .attention import UnhookableModelError, UnsupportedAttentionError, sieve_at
 from .budget import MaxBytes, MaxTokens, Rate
 from .cache import RaggedAttentionError, SievedCache
 from .errors import PolicyError
+from .generation import generate
 from .models import ModelNotFoundError, load_model
 from .observe import Needs, Observation, Prefill, observe_cache, observe_prefill
 from .policy import Policy, known_policies, make_policy
@@ -30,6 +31,7 @@ __all__ = [
     "__version__",
     "apply",
     "compress",
+    "generate",
     "known_policies",
     "load_model",
     "make_policy",

@@ -1,0 +1,115 @@
+"""Chunked prefill: a long prompt fed `chunk` tokens at a time at a size budget, against one-shot compression.
+
+The default model reads a `--prompt`-token essay context with `snapkv` at `max_tokens=1024`:
+once in one observed prefill compressed afterwards (it holds every entry until then), and
+chunked with chunks of 256, 512 and 1024 tokens (evicted back to the budget before each chunk
+and after the last). For each: the most entries per (layer, kv-head) the cache held at any
+point (averaged over heads), prefill seconds (median of `--repeats`), and the perplexity of the
+next 512 tokens from the compressed cache, next to the full cache's.
+
+    python benchmarks/chunked_prefill.py [--prompt 7680] [--max-tokens 1024] [--chunks 256,512,1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import kvsieve
+from kvsieve.data import long_context
+from kvsieve.eval.perplexity import continuation_nll
+
+RESULTS = Path(__file__).parent / "results"
+CONTINUATION = 512
+
+
+class PeakEntries:
+    """The most entries per (layer, kv-head) a `SievedCache` holds after any forward (hook on the last layer)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.peak = 0.0
+        self.handle = model.base_model.layers[-1].register_forward_hook(self._seen, with_kwargs=True)
+
+    def _seen(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, kvsieve.SievedCache):
+            lengths = cache.stored_lengths()
+            self.peak = max(self.peak, sum(map(sum, lengths)) / sum(map(len, lengths)))
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def measure(model: torch.nn.Module, ids: torch.Tensor, feed: torch.Tensor, args: argparse.Namespace, chunk: int | None):
+    peaks, seconds = PeakEntries(model), []
+    for _ in range(args.repeats):
+        tick = time.perf_counter()
+        cache = kvsieve.compress(model, ids, args.policy, max_tokens=args.max_tokens, chunk=chunk)
+        seconds.append(time.perf_counter() - tick)
+    peaks.remove()
+    kv_mib = cache.nbytes() / (1 << 20)
+    nll = continuation_nll(model, cache, feed)[0]  # appends the continuation to the cache
+    return {
+        "chunk": chunk,
+        "peak_entries_per_head": peaks.peak,
+        "prefill_s": statistics.median(seconds),
+        "ppl": math.exp(nll / CONTINUATION),
+        "kv_mib": kv_mib,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt", type=int, default=7680)
+    parser.add_argument("--max-tokens", type=int, default=1024)
+    parser.add_argument("--chunks", default="256,512,1024")
+    parser.add_argument("--policy", default="snapkv")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    model, tokenizer = kvsieve.load_model()
+    text = long_context(tokenizer, args.prompt + CONTINUATION + 1)
+    ids, feed = text[:, : args.prompt], text[:, args.prompt : args.prompt + CONTINUATION + 1]
+    full = kvsieve.observe_prefill(model, ids).cache
+    full_ppl = math.exp(continuation_nll(model, full, feed)[0] / CONTINUATION)
+    rows = [measure(model, ids, feed, args, None)]
+    rows += [measure(model, ids, feed, args, int(c)) for c in args.chunks.split(",")]
+    one_shot = rows[0]["prefill_s"]
+    table = Table(
+        "prefill",
+        "peak entries / head",
+        "budget + chunk",
+        "KV MiB after",
+        "prefill s",
+        "vs one-shot",
+        f"PPL next {CONTINUATION}",
+        title=f"{args.policy}, max_tokens={args.max_tokens}, {args.prompt}-token prompt, full-cache PPL {full_ppl:.2f}",
+    )
+    for r in rows:
+        r["time_vs_one_shot"] = r["prefill_s"] / one_shot
+        bound = args.prompt if r["chunk"] is None else args.max_tokens + r["chunk"]
+        table.add_row(
+            "one-shot" if r["chunk"] is None else f"chunk {r['chunk']}",
+            f"{r['peak_entries_per_head']:.0f}",
+            str(bound),
+            f"{r['kv_mib']:.1f}",
+            f"{r['prefill_s']:.2f}",
+            f"{r['time_vs_one_shot']:.2f}",
+            f"{r['ppl']:.2f}",
+        )
+    Console().print(table)
+    RESULTS.mkdir(exist_ok=True)
+    report = {**vars(args), "continuation": CONTINUATION, "full_cache_ppl": full_ppl, "rows": rows}
+    (RESULTS / "chunked_prefill.json").write_text(json.dumps(report, indent=2))
+    print(f"wrote {RESULTS / 'chunked_prefill.json'}")
+
+
+if __name__ == "__main__":
+    main()
