@@ -213,14 +213,14 @@ class SievedCache(Cache):
     (context + new tokens) and feeds only the tokens the cache has not seen.
     """
 
-    def __init__(self, layers: list[SievedLayer] | None = None, growth: Growth | None = None) -> None:
+    def __init__(self, layers: list[SievedLayer] | None = None) -> None:
         if layers is None:
             super().__init__(layer_class_to_replicate=SievedLayer)
         else:
             super().__init__(layers=list(layers))
             self.layer_class_to_replicate = SievedLayer
         self.recorder: Recorder | None = None
-        self.growth = growth
+        self.growth: Growth | None = None  # set by `compress` for a size budget with a buffer
 
     def update(
         self,
