@@ -121,8 +121,7 @@ def soak(args: argparse.Namespace, console: Console) -> dict:
     with kvsieve.sieve_attention(model):
         for step in track(range(1, args.soak_steps + 1), description="soak"):
             token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-            lengths = cache.stored_lengths()
-            worst = max(worst, sum(map(sum, lengths)) / sum(map(len, lengths)))
+            worst = max(worst, cache.mean_stored())
             if step % 1000 == 0:
                 newest = {int(p.max()) for layer in range(2) for p in cache.kept_positions(layer)}
                 if newest != {63 + step}:

@@ -41,8 +41,7 @@ class PeakEntries:
     def _seen(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         cache = kwargs.get("past_key_values")
         if isinstance(cache, kvsieve.SievedCache):
-            lengths = cache.stored_lengths()
-            self.peak = max(self.peak, sum(map(sum, lengths)) / sum(map(len, lengths)))
+            self.peak = max(self.peak, cache.mean_stored())
 
     def remove(self) -> None:
         self.handle.remove()

@@ -11,11 +11,6 @@ from conftest import tiny_llama
 PROMPT, MAX_TOKENS, BUFFER = 60, 40, 8  # 33 entries per head are protected (1 sink + 32 recent)
 
 
-def _held_per_head(cache: kvsieve.SievedCache, row: int = 0) -> float:
-    lengths = cache.stored_lengths(row)
-    return sum(map(sum, lengths)) / sum(map(len, lengths))
-
-
 @pytest.mark.parametrize(
     "spec", ["streaming", "knorm", "keydiff+adaptive", "random+global", "snapkv", "tova+adaptive", "window:window=8"]
 )
@@ -24,14 +19,14 @@ def test_every_step_stays_within_budget_and_equals_the_masked_reference(model, i
     """Step t's logits equal a full cache that masks exactly what was evicted before step t."""
     ids = torch.randint(0, 128, (1, PROMPT + 50), generator=torch.Generator().manual_seed(2))
     cache = kvsieve.compress(model, ids[:, :PROMPT], spec, max_tokens=MAX_TOKENS, buffer=BUFFER)
-    assert _held_per_head(cache) == MAX_TOKENS
+    assert cache.mean_stored() == MAX_TOKENS
     reference = masked_reference(model, ids[:, :PROMPT], [cache.kept_positions(i) for i in range(3)])
     evictions = 0
     for t in range(PROMPT, ids.shape[1]):
-        before = _held_per_head(cache)
+        before = cache.mean_stored()
         with kvsieve.sieve_attention(model):
             ours = model(ids[:, t : t + 1], past_key_values=cache).logits
-        held = _held_per_head(cache)
+        held = cache.mean_stored()
         assert held <= MAX_TOKENS + BUFFER, f"step {t}: {held} entries per head"
         evictions += held < before
         kept = [cache.kept_positions(layer) for layer in range(3)]
@@ -50,10 +45,10 @@ def test_apply_keeps_generate_bounded_for_greedy_and_sampling(model):
     with kvsieve.apply(model, config) as handle:
         greedy = model.generate(prompt, max_new_tokens=120, min_new_tokens=120, do_sample=False, pad_token_id=0)
         assert greedy.shape == (2, 170)
-        assert max(_held_per_head(handle.last_cache, row) for row in range(2)) <= MAX_TOKENS + BUFFER
+        assert max(handle.last_cache.mean_stored(row) for row in range(2)) <= MAX_TOKENS + BUFFER
         assert handle.last_cache.get_seq_length() == 169, "the last generated token is never fed"
         sampled = model.generate(prompt[:1], max_new_tokens=100, min_new_tokens=100, do_sample=True, pad_token_id=0)
-        assert sampled.shape == (1, 150) and _held_per_head(handle.last_cache) <= MAX_TOKENS + BUFFER
+        assert sampled.shape == (1, 150) and handle.last_cache.mean_stored() <= MAX_TOKENS + BUFFER
         with pytest.raises(kvsieve.PolicyError, match="beam search cannot run on a bounded cache"):
             model.generate(prompt, max_new_tokens=4, num_beams=2, pad_token_id=0)
 
@@ -121,14 +116,14 @@ def test_chunked_prefill_equals_the_masked_reference_chunk_by_chunk(model, maske
     for start in range(chunk, 200, chunk):
         with kvsieve.sieve_attention(model):
             ours = model(ids[:, start : start + chunk], past_key_values=cache).logits
-        assert _held_per_head(cache) <= MAX_TOKENS + chunk
+        assert cache.mean_stored() <= MAX_TOKENS + chunk
         with reference:
             reference.allow([cache.kept_positions(layer) for layer in range(3)])
             expected = model(ids[:, start : start + chunk], past_key_values=reference.cache).logits
         torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
     cache.growth.evict(cache)
     chunked = kvsieve.compress(model, ids, spec, max_tokens=MAX_TOKENS, chunk=chunk)
-    assert _held_per_head(chunked) == MAX_TOKENS and chunked.growth is None
+    assert chunked.mean_stored() == MAX_TOKENS and chunked.growth is None
     for layer in range(3):
         pairs = zip(chunked.kept_positions(layer), cache.kept_positions(layer), strict=True)
         assert all(torch.equal(a, b) for a, b in pairs)
@@ -142,13 +137,13 @@ def test_chunked_prefill_never_holds_more_than_budget_plus_chunk(model, monkeypa
     def recorded(self, key_states, value_states, layer_idx, cache_kwargs=None):
         out = update(self, key_states, value_states, layer_idx, cache_kwargs)
         if layer_idx == 2:  # the last layer: the forward's tokens are in every layer
-            peaks.append(_held_per_head(self))
+            peaks.append(self.mean_stored())
         return out
 
     monkeypatch.setattr(kvsieve.SievedCache, "update", recorded)
     cache = kvsieve.compress(model, ids, "tova", max_tokens=MAX_TOKENS, chunk=32, buffer=BUFFER)
     assert len(peaks) == 300 // 32 + 1 and max(peaks) <= MAX_TOKENS + 32
-    assert _held_per_head(cache) == MAX_TOKENS and cache.growth.buffer == BUFFER
+    assert cache.mean_stored() == MAX_TOKENS and cache.growth.buffer == BUFFER
     assert cache.get_seq_length() == 300
 
 

@@ -12,7 +12,7 @@ from types import TracebackType
 import torch
 
 from .attention import sieve_attention
-from .budget import Budget, make_budget
+from .budget import Budget, check_count, make_budget
 from .cache import SievedCache
 from .errors import PolicyError
 from .growth import DEFAULT_BUFFER, BoundedGrowth
@@ -138,8 +138,7 @@ def _check_bounded(
         raise PolicyError("buffer and chunk bound a size budget (max_tokens or max_bytes); a rate has no size")
     if chunk is None:
         return
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise PolicyError(f"chunk must be an integer >= 1 (tokens per prefill chunk), got {chunk!r}")
+    check_count("chunk", chunk)
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         raise PolicyError("a chunked prefill takes unpadded prompts; compress padded rows one at a time")
     if protect is not None:
@@ -156,6 +155,28 @@ def _feed_chunks(
         for start in range(0, rest.shape[1], chunk):
             model(input_ids=rest[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
     growth.evict(cache)
+
+
+def compress_prompt(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    policy: str | Policy,
+    rate: float | None = None,
+    **budget: int | None,
+) -> SievedCache:
+    """`compress` every token of a prompt but the last, which `generate` then feeds first.
+
+    `budget`: `max_tokens`, `max_bytes` and `buffer`, as for `compress`.
+    """
+    context_mask = None if attention_mask is None else attention_mask[:, :-1]
+    return compress(model, input_ids[:, :-1], policy, rate, attention_mask=context_mask, **budget)
+
+
+def refuse_beams(model: torch.nn.Module, generate_kwargs: dict, what: str) -> None:
+    """A clear error if `generate` would run beam search (asked for, or the model's generation config)."""
+    if int(generate_kwargs.get("num_beams") or model.generation_config.num_beams or 1) > 1:
+        raise PolicyError(f"beam search cannot run on {what}; use greedy decoding or sampling")
 
 
 @dataclass(frozen=True)
@@ -253,23 +274,20 @@ class SieveHandle:
         if kwargs.get("past_key_values") is not None or not isinstance(input_ids, torch.Tensor):
             return original(input_ids, **kwargs)
         config = self.config
-        if config.sized and int(kwargs.get("num_beams") or self.model.generation_config.num_beams or 1) > 1:
-            raise PolicyError(
-                "beam search cannot run on a bounded cache (max_tokens, max_bytes): use greedy or sampling"
-            )
+        if config.sized:
+            refuse_beams(self.model, kwargs, "a bounded cache (max_tokens, max_bytes)")
         mask = kwargs.get("attention_mask")
-        context_mask = None if mask is None else mask[:, :-1]
-        shortest = input_ids.shape[-1] - 1 if mask is None else int(context_mask.sum(dim=-1).min())
+        shortest = input_ids.shape[-1] - 1 if mask is None else int(mask[:, :-1].sum(dim=-1).min())
         if shortest > (0 if config.sized else self._policy.n_sink + self._policy.sliding_window):
-            cache = compress(
+            cache = compress_prompt(
                 self.model,
-                input_ids[:, :-1],
+                input_ids,
+                mask,
                 self._policy,
                 config.eviction_rate,
                 max_tokens=config.max_tokens,
                 max_bytes=config.max_bytes,
                 buffer=config.buffer if config.sized else None,
-                attention_mask=context_mask,
             )
             kwargs["past_key_values"] = self.last_cache = cache
         return original(input_ids, **kwargs)

@@ -42,7 +42,8 @@ def uniform_keep(n_evictable: int, rate: float) -> int:
     return n_evictable - evicted_count(n_evictable, rate)
 
 
-def _check_count(name: str, value: object) -> None:
+def check_count(name: str, value: object) -> None:
+    """A clear error unless `value` is an integer >= 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise PolicyError(f"{name} must be an integer >= 1, got {value!r}")
 
@@ -101,7 +102,7 @@ class MaxTokens:
     max_tokens: int
 
     def __post_init__(self) -> None:
-        _check_count("max_tokens", self.max_tokens)
+        check_count("max_tokens", self.max_tokens)
 
     def tokens_per_head(self, heads: int, entry_bytes: int) -> int:
         """Entries per (layer, kv-head) on average."""
@@ -130,7 +131,7 @@ class MaxBytes:
     max_bytes: int
 
     def __post_init__(self) -> None:
-        _check_count("max_bytes", self.max_bytes)
+        check_count("max_bytes", self.max_bytes)
 
     def tokens_per_head(self, heads: int, entry_bytes: int) -> int:
         """Entries per (layer, kv-head) that fit, for `heads` (layer, kv-head) pairs of `entry_bytes` entries."""

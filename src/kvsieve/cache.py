@@ -257,6 +257,11 @@ class SievedCache(Cache):
         """Entries stored per (layer, kv-head) for sequence `row`."""
         return [layer.stored_lengths(row) for layer in self.layers]
 
+    def mean_stored(self, row: int = 0) -> float:
+        """Entries stored per (layer, kv-head) of sequence `row`, on average: what a size budget bounds."""
+        lengths = self.stored_lengths(row)
+        return sum(map(sum, lengths)) / sum(map(len, lengths))
+
     def nbytes(self) -> int:
         """Bytes held by the stored keys and values (cache positions not included)."""
         return sum(layer.nbytes() for layer in self.layers)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .apply import compress
+from .apply import compress_prompt, refuse_beams
 from .attention import sieve_attention
 from .cache import SievedCache
 from .errors import PolicyError
@@ -33,27 +33,17 @@ def generate(
 
     With `cache` (from `kvsieve.compress`, one sequence): `input_ids` `[1, n]` are only the tokens
     after what the cache has seen (at least one: the next token to feed); returns them followed by
-    the new tokens. The cache is extended in place. Logits processors that read earlier tokens (repetition penalties)
-    see placeholders for the tokens only the cache holds.
+    the new tokens. The cache is extended in place. Logits processors that read earlier tokens
+    (repetition penalties) see placeholders for the tokens only the cache holds.
 
     `generate_kwargs` go to `model.generate` (`max_new_tokens`, `do_sample`, ...); beam search
     cannot run on a compressed cache.
     """
     check_input_ids(model, input_ids)
-    if int(generate_kwargs.get("num_beams") or 1) > 1:
-        raise PolicyError("beam search cannot run on a compressed cache; use greedy or sampling")
+    refuse_beams(model, generate_kwargs, "a compressed cache")
     if cache is None:
-        context_mask = None if attention_mask is None else attention_mask[:, :-1]
-        cache = compress(
-            model,
-            input_ids[:, :-1],
-            policy,
-            rate,
-            max_tokens=max_tokens,
-            max_bytes=max_bytes,
-            buffer=buffer,
-            attention_mask=context_mask,
-        )
+        budget = {"max_tokens": max_tokens, "max_bytes": max_bytes, "buffer": buffer}
+        cache = compress_prompt(model, input_ids, attention_mask, policy, rate, **budget)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         with sieve_attention(model):
             return model.generate(input_ids, attention_mask=mask, past_key_values=cache, **generate_kwargs)

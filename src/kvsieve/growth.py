@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .budget import SizeBudget
+from .budget import SizeBudget, check_count
 from .cache import SievedCache
 from .errors import PolicyError
 from .observe import Needs, Observation, Prefill, Statistics, cached_observations
@@ -94,8 +94,7 @@ class BoundedGrowth:
     queries: RecentQueries | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.buffer, bool) or not isinstance(self.buffer, int) or self.buffer < 1:
-            raise PolicyError(f"buffer must be an integer >= 1, got {self.buffer!r}")
+        check_count("buffer", self.buffer)
         needs = self.policy.needs
         if needs != Needs(window=needs.window):
             raise PolicyError(
@@ -123,8 +122,7 @@ class BoundedGrowth:
             return
         heads = sum(segments.heads for segments in layers)
         limit = self.budget.tokens_per_head(heads, layers[0].entry_bytes()) + self.buffer
-        held = [sum(map(sum, cache.stored_lengths(row))) for row in range(cache.batch_size)]
-        if max(held) + incoming * heads <= limit * heads:
+        if max(cache.mean_stored(row) for row in range(cache.batch_size)) + incoming <= limit:
             return
         self.evict(cache)
 
