@@ -1,6 +1,6 @@
 """kvsieve: decide which KV-cache entries a transformers model keeps, evict the rest for real, measure the cost."""
 
-from .apply import EvictionConfig, SieveHandle, apply, compress
+from .apply import EvictionConfig, SieveHandle, apply, bounded_cache, compress
 from .attention import UnhookableModelError, UnsupportedAttentionError, sieve_attention
 from .budget import MaxBytes, MaxTokens, Rate
 from .cache import RaggedAttentionError, SievedCache
@@ -30,6 +30,7 @@ __all__ = [
     "UnsupportedAttentionError",
     "__version__",
     "apply",
+    "bounded_cache",
     "compress",
     "generate",
     "known_policies",

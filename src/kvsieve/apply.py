@@ -157,6 +157,39 @@ def _feed_chunks(
     growth.evict(cache)
 
 
+def bounded_cache(
+    model: torch.nn.Module,
+    policy: str | Policy = "streaming",
+    *,
+    max_tokens: int | None = None,
+    max_bytes: int | None = None,
+    buffer: int = DEFAULT_BUFFER,
+    budget: str | None = None,
+    **policy_params: object,
+) -> SievedCache:
+    """An empty cache that holds a size budget from its first token on: feed it a stream of any length.
+
+    Feed it under `kvsieve.sieve_attention(model)` (`model.generate(ids, past_key_values=cache)`, or
+    forwards of chunks of a long document): before a forward would take a sequence past the budget
+    plus `buffer` entries per (layer, kv-head) on average, every layer is evicted back to the budget.
+    Forwards of `buffer` tokens each therefore evict exactly where token-by-token decoding would
+    when the budget is a multiple of `buffer`; a longer forward takes the cache past budget + buffer
+    by the difference until the next eviction.
+
+    Args:
+        policy, budget, policy_params: as for `compress`.
+        max_tokens, max_bytes: the size (one of them), as for `compress`.
+        buffer: entries per (layer, kv-head) the cache grows past the budget before it is evicted.
+    """
+    if max_tokens is None and max_bytes is None:
+        raise PolicyError("a bounded cache needs a size: max_tokens or max_bytes")
+    limit = make_budget(None, max_tokens, max_bytes)
+    resolved = make_policy(policy, budget=budget, **policy_params)
+    cache = SievedCache()
+    cache.growth = BoundedGrowth.of(resolved, limit, buffer, layer_statistics(model))
+    return cache
+
+
 def compress_prompt(
     model: torch.nn.Module,
     input_ids: torch.Tensor,

@@ -56,13 +56,16 @@ class RecentQueries:
 
     def append(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor) -> None:
         """Log a forward's queries `[rows, q_heads, q, d]` at cache positions `[q]`, keeping the last `window`."""
+        rows = query.shape[0]
+        if layer_idx not in self.queries:  # a cache that started empty
+            self.queries[layer_idx] = query.new_empty(rows, query.shape[1], 0, query.shape[-1], dtype=torch.float32)
+            self.positions[layer_idx] = positions.new_empty(rows, 0)
         held = self.queries[layer_idx]
-        if query.shape[0] != held.shape[0]:
+        if rows != held.shape[0]:
             raise ValueError(
                 f"the bounded cache logs queries of {held.shape[0]} sequence(s), got {query.shape[0]}; "
                 "rows cannot be added or reordered (beam search, num_return_sequences) on a bounded cache"
             )
-        rows = query.shape[0]
         self.queries[layer_idx] = torch.cat([held, query.detach().float()], dim=2)[:, :, -self.window :]
         self.positions[layer_idx] = torch.cat(
             [self.positions[layer_idx], positions.to(held.device).expand(rows, -1)], dim=1
