@@ -1,14 +1,16 @@
 """Bounded generation: a cache held at `max_tokens` while the default model generates thousands of tokens.
 
-The default model decodes `--steps` tokens greedily from a short essay prompt twice: from a
-kvsieve cache compressed to `max_tokens` with `buffer` (it is evicted back to the budget every
-`buffer` steps), and from the model's own unbounded `DynamicCache`. Every `--every` steps we
-sample KV bytes held and allocated, the process RSS and the median step time of the last
-`--every` steps. Until the first eviction the two caches hold the same entries: the first 64
-steps' logits must agree. Then a soak on a tiny random model: `--soak-steps` steps, checking
-that the budget holds, the newest stored position is the step count and RSS stays flat.
+The default model decodes `--steps` tokens greedily from a short essay prompt: once per policy
+from a kvsieve cache compressed to `max_tokens` with `buffer` (it is evicted back to the budget
+every `buffer` steps), and once from the model's own unbounded `DynamicCache`. Every `--every`
+steps we sample KV bytes held and allocated, the process RSS and the median step time of the last
+`--every` steps. Until the first eviction the caches hold the same entries: the first 64 steps'
+logits must agree. The policies show the cost per step of what a scorer keeps between evictions:
+nothing (knorm), the recent queries (snapkv), attention accumulated online (h2o). Then a soak on
+a tiny random model: `--soak-steps` steps, checking that the budget holds, the newest stored
+position is the step count and RSS stays flat.
 
-    python benchmarks/bounded_generation.py [--steps 8000] [--max-tokens 512] [--soak-steps 100000]
+    python benchmarks/bounded_generation.py [--steps 8000] [--max-tokens 512] [--policies knorm,snapkv,h2o]
 """
 
 from __future__ import annotations
@@ -71,34 +73,51 @@ def default_model_run(args: argparse.Namespace, console: Console) -> dict:
     model, tokenizer = kvsieve.load_model()
     prompt = long_context(tokenizer, args.prompt)[:, : args.prompt]
     first = prompt[:, -1:]
-    cache = kvsieve.compress(model, prompt[:, :-1], args.policy, max_tokens=args.max_tokens, buffer=args.buffer)
-    with kvsieve.sieve_attention(model):
-        bounded = decode(model, cache, first, args.steps, args.every, "bounded")
     dense = DynamicCache()
     with torch.no_grad():
         model(input_ids=prompt[:, :-1], past_key_values=dense, use_cache=True)
     unbounded = decode(model, dense, first, args.steps, args.every, "unbounded")
-    early_error = float((bounded["early"] - unbounded["early"]).abs().max())
+    report = {}
+    for policy in args.policies.split(","):
+        cache = kvsieve.compress(model, prompt[:, :-1], policy, max_tokens=args.max_tokens, buffer=args.buffer)
+        with kvsieve.sieve_attention(model):
+            bounded = decode(model, cache, first, args.steps, args.every, f"bounded ({policy})")
+        early_error = float((bounded["early"] - unbounded["early"]).abs().max())
+        rows = [
+            {"step": b["step"], "bounded": b, "unbounded": u, "time_ratio": b["step_ms"] / u["step_ms"]}
+            for b, u in zip(bounded["samples"], unbounded["samples"], strict=True)
+        ]
+        console.print(samples_table(policy, rows))
+        console.print(f"{policy}: first 64 steps, largest logit difference bounded vs unbounded: {early_error:.2e}")
+        report[policy] = {"rows": rows, "first_64_max_abs_logit_diff": early_error}
+    return report
+
+
+def samples_table(policy: str, rows: list[dict]) -> Table:
     table = Table(
-        "step", "bounded KV MiB", "allocated MiB", "RSS MiB", "step ms", "unbounded KV MiB", "step ms", "time ratio"
+        "step",
+        "bounded KV MiB",
+        "allocated MiB",
+        "RSS MiB",
+        "step ms",
+        "unbounded KV MiB",
+        "step ms",
+        "time ratio",
+        title=f"{policy}, bounded vs unbounded",
     )
-    rows = []
-    for b, u in zip(bounded["samples"], unbounded["samples"], strict=True):
-        ratio = b["step_ms"] / u["step_ms"]
-        rows.append({"step": b["step"], "bounded": b, "unbounded": u, "time_ratio": ratio})
+    for row in rows:
+        b, u = row["bounded"], row["unbounded"]
         table.add_row(
-            str(b["step"]),
+            str(row["step"]),
             f"{b['kv_mib']:.2f}",
             f"{b['allocated_mib']:.2f}",
             f"{b['rss_mib']:.0f}",
             f"{b['step_ms']:.1f}",
             f"{u['kv_mib']:.2f}",
             f"{u['step_ms']:.1f}",
-            f"{ratio:.2f}",
+            f"{row['time_ratio']:.2f}",
         )
-    console.print(table)
-    console.print(f"first 64 steps, largest logit difference bounded vs unbounded: {early_error:.2e}")
-    return {"rows": rows, "first_64_max_abs_logit_diff": early_error}
+    return table
 
 
 @torch.no_grad()
@@ -116,7 +135,7 @@ def soak(args: argparse.Namespace, console: Console) -> dict:
     model = LlamaForCausalLM(config).eval()
     ids = torch.randint(0, 128, (1, 64))
     max_tokens, buffer = 48, 16
-    cache = kvsieve.compress(model, ids, args.policy, max_tokens=max_tokens, buffer=buffer)
+    cache = kvsieve.compress(model, ids, args.soak_policy, max_tokens=max_tokens, buffer=buffer)
     token, rss, worst = ids[:, -1:], [], 0.0
     with kvsieve.sieve_attention(model):
         for step in track(range(1, args.soak_steps + 1), description="soak"):
@@ -143,11 +162,18 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--buffer", type=int, default=64)
-    parser.add_argument("--policy", default="knorm")
+    parser.add_argument("--policies", default="knorm,snapkv,h2o", help="comma-separated policy specs")
+    parser.add_argument("--soak-policy", default="knorm")
     parser.add_argument("--soak-steps", type=int, default=100_000)
     args = parser.parse_args()
     console = Console()
-    report = {"policy": args.policy, "max_tokens": args.max_tokens, "buffer": args.buffer, "steps": args.steps}
+    report = {
+        "policies": args.policies.split(","),
+        "soak_policy": args.soak_policy,
+        "max_tokens": args.max_tokens,
+        "buffer": args.buffer,
+        "steps": args.steps,
+    }
     report["default_model"] = default_model_run(args, console)
     report["soak"] = soak(args, console)
     RESULTS.mkdir(exist_ok=True)

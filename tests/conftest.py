@@ -40,6 +40,9 @@ def ids() -> torch.Tensor:
 
 # allowed[layer][kv_head] -> bool over absolute key positions; None = plain causal attention
 _ALLOWED: dict[int, list[torch.Tensor]] = {}
+# received[layer] -> [q_heads, positions] float64: attention each key position received, while tallying
+_RECEIVED: dict[int, torch.Tensor] = {}
+TALLY = "tally"
 
 
 def _masked_reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -57,7 +60,12 @@ def _masked_reference_attention(module, query, key, value, attention_mask, dropo
         if module.layer_idx in _ALLOWED:
             allowed = allowed & _ALLOWED[module.layer_idx][kv_h][:kv_len].to(query.device)[None, :]
         scores = scores.masked_fill(~allowed, float("-inf"))
-        out[0, h] = (torch.softmax(scores, -1) @ value[0, kv_h].double()).to(query.dtype)
+        probs = torch.softmax(scores, -1)
+        if TALLY in _RECEIVED:
+            _RECEIVED.setdefault(module.layer_idx, torch.zeros(n_heads, 4096, dtype=torch.float64))[h, :kv_len] += (
+                probs.sum(0).cpu()
+            )
+        out[0, h] = (probs @ value[0, kv_h].double()).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -86,6 +94,13 @@ class MaskedReference:
             model(prefix, past_key_values=self.cache)
         model.set_attn_implementation(previous)
 
+    @staticmethod
+    def tally() -> dict[int, torch.Tensor]:
+        """From now on, sum the attention every key position receives per layer (`[q_heads, positions]`)."""
+        _RECEIVED.clear()
+        _RECEIVED[TALLY] = torch.empty(0)
+        return _RECEIVED
+
     def allow(self, kept: list[list[torch.Tensor]]) -> None:
         """From now on, every (layer, kv-head) sees exactly the positions `kept[layer][kv_head]`."""
         for layer, heads in enumerate(kept):
@@ -111,3 +126,4 @@ class MaskedReference:
 def masked_reference() -> Iterator[type[MaskedReference]]:
     yield MaskedReference
     _ALLOWED.clear()
+    _RECEIVED.clear()

@@ -167,7 +167,7 @@ def test_scorer_window_must_match_observation(model, ids):
     prefill = kvsieve.observe_prefill(model, ids, kvsieve.Needs(window=32))
     with pytest.raises(ValueError, match="window=64 needs the last 64 prefill queries; 32 were recorded"):
         kvsieve.make_policy("window:window=64").keep_indices(prefill.observations[0], 0.5)
-    with pytest.raises(ValueError, match="importance needs the attention accumulated over all prefill queries"):
+    with pytest.raises(ValueError, match="importance needs the attention accumulated over all queries"):
         kvsieve.make_policy("importance").keep_indices(prefill.observations[0], 0.5)
 
 

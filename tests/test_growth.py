@@ -11,9 +11,24 @@ from conftest import tiny_llama
 PROMPT, MAX_TOKENS, BUFFER = 60, 40, 8  # 33 entries per head are protected (1 sink + 32 recent)
 
 
-@pytest.mark.parametrize(
-    "spec", ["streaming", "knorm", "keydiff+adaptive", "random+global", "snapkv", "tova+adaptive", "window:window=8"]
-)
+EVERY_SCORER = [
+    "streaming",
+    "knorm",
+    "keydiff+adaptive",
+    "random+global",
+    "snapkv",
+    "tova+adaptive",
+    "window:window=8",
+    "caote",
+    "critical+adaptive",
+    "expected",
+    "h2o",
+    "importance+global",
+    "vatp+adaptive",
+]
+
+
+@pytest.mark.parametrize("spec", EVERY_SCORER)
 @torch.no_grad()
 def test_every_step_stays_within_budget_and_equals_the_masked_reference(model, ids, masked_reference, spec):
     """Step t's logits equal a full cache that masks exactly what was evicted before step t."""
@@ -99,8 +114,20 @@ def test_bad_bounded_configurations_name_the_problem(model, ids):
         kvsieve.compress(model, ids[:, :PROMPT], "knorm", 0.5, buffer=8)
     with pytest.raises(kvsieve.PolicyError, match="buffer must be an integer >= 1, got 0"):
         kvsieve.compress(model, ids[:, :PROMPT], "knorm", max_tokens=40, buffer=0)
-    with pytest.raises(kvsieve.PolicyError, match="h2o reads attention accumulated over all queries"):
-        kvsieve.EvictionConfig(eviction_mode="h2o", max_tokens=1024)
+    with pytest.raises(kvsieve.PolicyError, match="buffer must be an integer >= 1, got -1"):
+        kvsieve.EvictionConfig(eviction_mode="h2o", max_tokens=1024, buffer=-1)
+    mask = torch.ones_like(ids[:, :PROMPT])
+    mask[:, :3] = 0
+    with pytest.raises(kvsieve.PolicyError, match="protect_positions with a buffer take unpadded prompts"):
+        kvsieve.compress(
+            model,
+            ids[:, :PROMPT],
+            "knorm",
+            max_tokens=60,
+            buffer=8,
+            attention_mask=mask,
+            protect_positions=torch.tensor([5]),
+        )
     with pytest.raises(kvsieve.PolicyError, match="give one budget, not rate and max_tokens"):
         kvsieve.EvictionConfig(eviction_rate=0.5, max_tokens=1024)
 
@@ -156,8 +183,94 @@ def test_bad_chunking_names_the_problem(model, ids):
     mask[:, :3] = 0
     with pytest.raises(kvsieve.PolicyError, match="a chunked prefill takes unpadded prompts"):
         kvsieve.compress(model, ids, "knorm", max_tokens=40, chunk=32, attention_mask=mask)
-    with pytest.raises(kvsieve.PolicyError, match="does not take question_ids or protect_positions"):
-        kvsieve.compress(model, ids, "knorm", max_tokens=40, chunk=32, question_ids=ids[:, :4])
+
+
+@pytest.mark.parametrize("spec", ["h2o", "importance+adaptive"])
+@torch.no_grad()
+def test_attention_accumulated_online_equals_a_brute_force_sum(model, masked_reference, spec):
+    """Each entry's sum = what the prompt paid it + what every later query paid it, evicted entries aside."""
+    ids = torch.randint(0, 128, (1, PROMPT + 40), generator=torch.Generator().manual_seed(9))
+    cache = kvsieve.compress(model, ids[:, :PROMPT], spec, max_tokens=MAX_TOKENS, buffer=BUFFER)
+    prompt = kvsieve.observe_prefill(model, ids[:, :PROMPT], kvsieve.Needs(accumulated=True)).observations[0]
+    reference = masked_reference(model, ids[:, :PROMPT], [cache.kept_positions(i) for i in range(3)])
+    tally = reference.tally()
+    for t in range(PROMPT, ids.shape[1]):
+        with kvsieve.sieve_attention(model):
+            model(ids[:, t : t + 1], past_key_values=cache)
+        with reference:
+            reference.allow([cache.kept_positions(layer) for layer in range(3)])
+            model(ids[:, t : t + 1], past_key_values=reference.cache)
+    assert cache.mean_stored() < PROMPT, "entries were evicted on the way"
+    for obs in kvsieve.observe_cache(model, cache):
+        expected = tally[obs.layer_idx].clone()
+        expected[:, :PROMPT] += prompt[obs.layer_idx].stats.received.double()
+        positions = obs.positions.repeat_interleave(obs.group, dim=0).clamp(min=0)
+        expected = expected.gather(1, positions).float()
+        valid = obs.valid.repeat_interleave(obs.group, dim=0)
+        torch.testing.assert_close(obs.stats.received[valid], expected[valid], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_sums_with_nothing_evicted_equal_an_observed_prefill_of_the_whole_sequence(model):
+    ids = torch.randint(0, 128, (1, 90), generator=torch.Generator().manual_seed(10))
+    cache = kvsieve.compress(model, ids[:, :50], "h2o", max_tokens=500, buffer=8, chunk=16)
+    with kvsieve.sieve_attention(model):
+        for t in range(50, 90):
+            model(ids[:, t : t + 1], past_key_values=cache)
+    whole = kvsieve.observe_prefill(model, ids, kvsieve.Needs(accumulated=True)).observations[0]
+    for obs, full in zip(kvsieve.observe_cache(model, cache), whole, strict=True):
+        torch.testing.assert_close(obs.stats.received, full.stats.received, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["h2o", "snapkv+adaptive", "expected"])
+@torch.no_grad()
+def test_a_bounded_cache_fed_in_chunks_of_the_buffer_equals_token_by_token(model, spec):
+    """An empty bounded cache: forwards of `buffer` tokens evict where single-token steps would."""
+    ids = torch.randint(0, 128, (2, 200), generator=torch.Generator().manual_seed(11))
+    chunked, stepped = (kvsieve.bounded_cache(model, spec, max_tokens=48, buffer=16) for _ in range(2))
+    with kvsieve.sieve_attention(model):
+        ours = torch.cat([model(ids[:, s : s + 16], past_key_values=chunked).logits for s in range(0, 200, 16)], 1)
+        steps = []
+        for t in range(200):
+            steps.append(model(ids[:, t : t + 1], past_key_values=stepped).logits)
+            assert max(stepped.mean_stored(row) for row in range(2)) <= 48 + 16
+    torch.testing.assert_close(ours, torch.cat(steps, 1), atol=1e-4, rtol=0)
+    assert chunked.stored_lengths(1) == stepped.stored_lengths(1)
+    with pytest.raises(kvsieve.PolicyError, match="a bounded cache needs a size"):
+        kvsieve.bounded_cache(model, spec)
+
+
+@torch.no_grad()
+def test_a_chunked_prefill_with_a_question_keeps_the_question(model):
+    ids = torch.randint(0, 128, (1, 150), generator=torch.Generator().manual_seed(12))
+    question = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(13))
+    cache = kvsieve.compress(model, ids, "snapkv", max_tokens=80, chunk=40, question_ids=question)
+    assert cache.get_seq_length() == 155 and cache.mean_stored() == 80
+    for layer in range(3):
+        assert all(bool(torch.isin(torch.arange(150, 155), p).all()) for p in cache.kept_positions(layer))
+
+
+@torch.no_grad()
+def test_apply_is_question_aware_and_keeps_the_question_while_bounded(model):
+    context = torch.randint(1, 128, (1, 80), generator=torch.Generator().manual_seed(14))
+    question = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(15))  # 0 is the pad token
+    gen = {"max_new_tokens": 60, "min_new_tokens": 60, "do_sample": False, "pad_token_id": 0}
+    config = kvsieve.EvictionConfig(eviction_mode="snapkv", max_tokens=100, buffer=BUFFER)
+    with kvsieve.apply(model, config) as handle:
+        out = model.generate(context, question_ids=question, **gen)
+        held = handle.last_cache
+    prompt = torch.cat([context, question], dim=-1)
+    assert torch.equal(out[:, :86], prompt)
+    cache = kvsieve.compress(model, context, "snapkv", max_tokens=100, buffer=BUFFER, question_ids=question[:, :-1])
+    with kvsieve.sieve_attention(model):
+        expected = model.generate(prompt, past_key_values=cache, **gen)
+    assert torch.equal(out, expected)
+    assert held.get_seq_length() == 145 and held.mean_stored() <= 100 + BUFFER
+    for layer in range(3):  # the question (but its last token, fed by generate) survived every eviction
+        assert all(bool(torch.isin(torch.arange(80, 85), p).all()) for p in held.kept_positions(layer))
+    assert torch.equal(
+        kvsieve.generate(model, context, "snapkv", max_tokens=100, buffer=BUFFER, question_ids=question, **gen), out
+    )
 
 
 @torch.no_grad()

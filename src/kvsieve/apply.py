@@ -16,7 +16,7 @@ from .budget import Budget, check_count, make_budget
 from .cache import SievedCache
 from .errors import PolicyError
 from .growth import DEFAULT_BUFFER, BoundedGrowth
-from .observe import Observation, Prefill, check_input_ids, layer_statistics, observe_prefill
+from .observe import Observation, Prefill, check_input_ids, observe_prefill
 from .policy import DEFAULT_N_SINK, DEFAULT_SLIDING_WINDOW, Policy, make_policy
 
 
@@ -110,24 +110,32 @@ def compress(
     if chunk is not None or buffer is not None:
         sized = max_tokens is not None or max_bytes is not None
         _check_bounded(sized, buffer, chunk, attention_mask, protect_positions)
-        growth = BoundedGrowth.of(resolved, limit, chunk or buffer, layer_statistics(model))
+        growth = BoundedGrowth.of(resolved, limit, chunk or buffer, model, protect_positions)
     first = input_ids if chunk is None else input_ids[:, :chunk]
     prefill = observe_prefill(model, first, resolved.needs, attention_mask=attention_mask)
-    keep = []
-    for row, observations in enumerate(prefill.observations):
-        try:
-            keep.append(prefill.stored(row, resolved.keep_indices(observations, limit, protect_positions)))
-        except PolicyError as err:
-            if len(prefill.observations) == 1:
-                raise
-            raise PolicyError(f"sequence {row} of the batch: {err}") from None
-    cache = prefill.cache.keep(keep)
     if growth is not None:
         growth.start(prefill)
+    cache = prefill.cache.keep(_keep_rows(prefill, resolved, limit, protect_positions))
+    if growth is not None:
         if chunk is not None and input_ids.shape[1] > chunk:
             _feed_chunks(model, cache, growth, input_ids[:, chunk:], chunk)
         cache.growth = None if buffer is None else dataclasses.replace(growth, buffer=buffer)
     return cache
+
+
+def _keep_rows(
+    prefill: Prefill, policy: Policy, limit: Budget, protect: torch.Tensor | None
+) -> list[list[list[torch.Tensor]]]:
+    """Stored indices every row of `prefill` keeps; a policy error names the row of a batch."""
+    keep = []
+    for row, observations in enumerate(prefill.observations):
+        try:
+            keep.append(prefill.stored(row, policy.keep_indices(observations, limit, protect)))
+        except PolicyError as err:
+            if len(prefill.observations) == 1:
+                raise
+            raise PolicyError(f"sequence {row} of the batch: {err}") from None
+    return keep
 
 
 def _check_bounded(
@@ -136,13 +144,16 @@ def _check_bounded(
     """A clear error for a buffer or a chunked prefill that cannot be honoured."""
     if not sized:
         raise PolicyError("buffer and chunk bound a size budget (max_tokens or max_bytes); a rate has no size")
-    if chunk is None:
-        return
-    check_count("chunk", chunk)
-    if attention_mask is not None and not bool(attention_mask.bool().all()):
+    if chunk is not None:
+        check_count("chunk", chunk)
+    padded = attention_mask is not None and not bool(attention_mask.bool().all())
+    if padded and chunk is not None:
         raise PolicyError("a chunked prefill takes unpadded prompts; compress padded rows one at a time")
-    if protect is not None:
-        raise PolicyError("a chunked prefill does not take question_ids or protect_positions yet")
+    if padded and protect is not None:
+        raise PolicyError(
+            "protect_positions with a buffer take unpadded prompts (positions stay protected during generation, "
+            "and padding shifts them per row); compress padded rows one at a time"
+        )
 
 
 @torch.no_grad()
@@ -186,7 +197,7 @@ def bounded_cache(
     limit = make_budget(None, max_tokens, max_bytes)
     resolved = make_policy(policy, budget=budget, **policy_params)
     cache = SievedCache()
-    cache.growth = BoundedGrowth.of(resolved, limit, buffer, layer_statistics(model))
+    cache.growth = BoundedGrowth.of(resolved, limit, buffer, model)
     return cache
 
 
@@ -196,14 +207,32 @@ def compress_prompt(
     attention_mask: torch.Tensor | None,
     policy: str | Policy,
     rate: float | None = None,
+    question_ids: torch.Tensor | None = None,
     **budget: int | None,
 ) -> SievedCache:
     """`compress` every token of a prompt but the last, which `generate` then feeds first.
 
+    The prompt is `input_ids`, followed by `question_ids` if given: then the compression is
+    question-aware (the question is protected, also while a size budget holds during generation).
     `budget`: `max_tokens`, `max_bytes` and `buffer`, as for `compress`.
     """
+    if question_ids is not None and question_ids.shape[-1] > 1:
+        question = question_ids[:, :-1]
+        return compress(model, input_ids, policy, rate, attention_mask=attention_mask, question_ids=question, **budget)
+    if question_ids is not None:  # a one-token question is the token `generate` feeds first
+        input_ids, attention_mask = prompt_with_question(input_ids, attention_mask, question_ids)
     context_mask = None if attention_mask is None else attention_mask[:, :-1]
     return compress(model, input_ids[:, :-1], policy, rate, attention_mask=context_mask, **budget)
+
+
+def prompt_with_question(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, question_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The whole prompt `generate` reads: the context, then the question (and the mask extended over it)."""
+    ids = torch.cat([input_ids, question_ids.to(input_ids.device)], dim=-1)
+    if attention_mask is None:
+        return ids, None
+    return ids, torch.cat([attention_mask, torch.ones_like(question_ids, device=attention_mask.device)], dim=-1)
 
 
 def refuse_beams(model: torch.nn.Module, generate_kwargs: dict, what: str) -> None:
@@ -258,10 +287,10 @@ class EvictionConfig:
     buffer: int = DEFAULT_BUFFER
 
     def __post_init__(self) -> None:
-        limit = make_budget(self.eviction_rate, self.max_tokens, self.max_bytes)
-        policy = self.policy()  # validates the mode and the protection
+        make_budget(self.eviction_rate, self.max_tokens, self.max_bytes)
+        self.policy()  # validates the mode and the protection
         if self.sized:
-            BoundedGrowth(policy, limit, self.buffer, [])  # validates the buffer and that the policy can re-score
+            check_count("buffer", self.buffer)
 
     @property
     def sized(self) -> bool:
@@ -280,10 +309,12 @@ class SieveHandle:
     The model runs on sieve attention while the handle is active. Each prompt minus its last
     token is prefilled and compressed (every row of a batch with its own budget; pass the
     `attention_mask` of a padded batch); `generate` then feeds the last token and decodes from
-    the compressed cache, which a size budget keeps bounded however long the generation. Under
-    a rate, prompts with nothing evictable are not compressed. `last_cache` is the cache of the
-    latest call. `remove()` (or leaving the with-block) gives the model back its own
-    `generate` and attention.
+    the compressed cache, which a size budget keeps bounded however long the generation.
+    Question-aware: `model.generate(context_ids, question_ids=question, ...)` compresses the
+    context after the question is seen and keeps the question (and the context's recent window)
+    protected; the output starts with the context and the question. Under a rate, prompts with
+    nothing evictable are not compressed. `last_cache` is the cache of the latest call.
+    `remove()` (or leaving the with-block) gives the model back its own `generate` and attention.
     """
 
     def __init__(self, model: torch.nn.Module, config: EvictionConfig) -> None:
@@ -304,13 +335,17 @@ class SieveHandle:
 
     def _generate(self, original: object, inputs: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+        question = kwargs.pop("question_ids", None)
         if kwargs.get("past_key_values") is not None or not isinstance(input_ids, torch.Tensor):
+            if question is not None:
+                raise ValueError("question_ids go with a prompt (input_ids) and no past_key_values")
             return original(input_ids, **kwargs)
         config = self.config
         if config.sized:
             refuse_beams(self.model, kwargs, "a bounded cache (max_tokens, max_bytes)")
         mask = kwargs.get("attention_mask")
-        shortest = input_ids.shape[-1] - 1 if mask is None else int(mask[:, :-1].sum(dim=-1).min())
+        prompt, prompt_mask = (input_ids, mask) if question is None else prompt_with_question(input_ids, mask, question)
+        shortest = prompt.shape[-1] - 1 if prompt_mask is None else int(prompt_mask[:, :-1].sum(dim=-1).min())
         if shortest > (0 if config.sized else self._policy.n_sink + self._policy.sliding_window):
             cache = compress_prompt(
                 self.model,
@@ -318,12 +353,15 @@ class SieveHandle:
                 mask,
                 self._policy,
                 config.eviction_rate,
+                question,
                 max_tokens=config.max_tokens,
                 max_bytes=config.max_bytes,
                 buffer=config.buffer if config.sized else None,
             )
             kwargs["past_key_values"] = self.last_cache = cache
-        return original(input_ids, **kwargs)
+        if prompt_mask is not None:
+            kwargs["attention_mask"] = prompt_mask
+        return original(prompt, **kwargs)
 
     def remove(self) -> None:
         """Restore the model's own `generate` and attention."""

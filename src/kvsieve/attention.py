@@ -21,7 +21,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from .kernels import masked_sdpa, observed_attention, varlen_attention, varlen_available
+from .kernels import masked_sdpa, observed_attention, tallied_attention, varlen_attention, varlen_available
 from .layout import RaggedLayout, layout_of, sieve_scope
 from .segments import PAD_POSITION
 
@@ -79,12 +79,16 @@ def sieve_attention_forward(
     layout = layout_of(key)
     if layout is not None and layout.queries is not None:
         layout.queries.append(layout.layer_idx, query, layout.query_positions)
-    if layout is None or (layout.contiguous and layout.recorder is None):
+    if layout is None or (layout.contiguous and layout.recorder is None and layout.tally is None):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     _check_supported(module, dropout, kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if layout.tally is not None:
+        out, received = tallied_attention(query, key, value, visibility(layout, attention_mask, query.shape[2]), scale)
+        layout.tally.add_received(received)
+        return out, None
     recorder = layout.recorder
     if recorder is None:
         if attention_mask is None and query.shape[2] == 1 and varlen_available(query):

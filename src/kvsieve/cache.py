@@ -29,9 +29,14 @@ KeepIndices = Sequence[Sequence[Sequence[torch.Tensor]]]
 
 
 class Growth(Protocol):
-    """Bounds a cache while it grows (see `kvsieve.growth.BoundedGrowth`); `queries` logs what its scorer reads."""
+    """Bounds a cache while it grows (see `kvsieve.growth.BoundedGrowth`).
+
+    `queries` logs the recent queries its scorer reads; `accumulates` says whether its scorer reads
+    the attention every entry received, which the cache then sums online.
+    """
 
     queries: QueryLog | None
+    accumulates: bool
 
     def before_append(self, cache: SievedCache, incoming: int) -> None:
         """Called before a forward appends `incoming` tokens to every layer; may evict."""
@@ -242,6 +247,8 @@ class SievedCache(Cache):
         layout = self.layers[layer_idx].layout
         layout.layer_idx, layout.recorder = layer_idx, self.recorder
         layout.queries = None if self.growth is None else self.growth.queries
+        if self.growth is not None and self.growth.accumulates:
+            layout.tally = self.layers[layer_idx].segments
         publish(keys, layout)
         return keys, values
 
@@ -273,7 +280,8 @@ class SievedCache(Cache):
         )
 
     def allocated_nbytes(self) -> int:
-        """Bytes allocated for keys and values: `nbytes()`, growth room (2%, or one block per head), null entries."""
+        """Bytes allocated: keys and values (`nbytes()`, growth room of 2% or one block per head, null entries),
+        and the attention sums of a cache whose scorer reads them during generation."""
         return sum(layer.allocated_nbytes() for layer in self.layers)
 
     def keep(self, keep: KeepIndices, rows: Sequence[int] | None = None) -> SievedCache:

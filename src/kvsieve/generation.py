@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .apply import compress_prompt, refuse_beams
+from .apply import compress_prompt, prompt_with_question, refuse_beams
 from .attention import sieve_attention
 from .cache import SievedCache
 from .errors import PolicyError
@@ -23,13 +23,16 @@ def generate(
     max_tokens: int | None = None,
     max_bytes: int | None = None,
     buffer: int | None = None,
+    question_ids: torch.Tensor | None = None,
     **generate_kwargs: object,
 ) -> torch.Tensor:
     """Generate from a compressed cache under sieve attention.
 
     Without `cache`: everything but the last token of the prompt `input_ids` is compressed with
     `policy` and the budget (as `kvsieve.compress`; with `buffer`, a size budget also holds while
-    generating), then `model.generate` runs; returns the prompt followed by the new tokens.
+    generating), then `model.generate` runs; returns the prompt followed by the new tokens. With
+    `question_ids` the prompt is `input_ids` then the question, compressed question-aware (the
+    question stays protected).
 
     With `cache` (from `kvsieve.compress`, one sequence): `input_ids` `[1, n]` are only the tokens
     after what the cache has seen (at least one: the next token to feed); returns them followed by
@@ -43,11 +46,14 @@ def generate(
     refuse_beams(model, generate_kwargs, "a compressed cache")
     if cache is None:
         budget = {"max_tokens": max_tokens, "max_bytes": max_bytes, "buffer": buffer}
-        cache = compress_prompt(model, input_ids, attention_mask, policy, rate, **budget)
+        cache = compress_prompt(model, input_ids, attention_mask, policy, rate, question_ids, **budget)
+        if question_ids is not None:
+            input_ids, attention_mask = prompt_with_question(input_ids, attention_mask, question_ids)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         with sieve_attention(model):
             return model.generate(input_ids, attention_mask=mask, past_key_values=cache, **generate_kwargs)
-    if attention_mask is not None or rate is not None or max_tokens is not None or max_bytes is not None:
+    given = (attention_mask, rate, max_tokens, max_bytes, question_ids)
+    if any(value is not None for value in given):
         raise PolicyError("with a cache, give only the new tokens: its budget and padding were set by compress")
     if cache.batch_size != 1 or input_ids.shape[0] != 1:
         raise ValueError(

@@ -8,12 +8,16 @@ never holds more than `budget + buffer` entries per (layer, kv-head) on average,
 runs once every `buffer` decoding steps. Cost per eviction: one scoring of every held entry and
 one copy of the kept ones; between evictions, nothing.
 
-Scorers run on what the cache holds plus the last queries (`RecentQueries`: the prefill's last
-`window` queries, then every decoding query, kept per layer and row; one copy of the query per
-layer and step), so scorers that read keys, values, positions and recent queries (`window`,
-`snapkv`, `tova`, `streaming`, `random`, `knorm`, `keydiff`) serve during generation. Those that
-read attention accumulated over all queries, the output projection or the rotary embedding do
-not yet.
+Scorers run on what the cache holds plus what they declared (`Needs`), kept up to date at a cost
+per step and layer only when asked for:
+- recent queries (`RecentQueries`: the prefill's last `window` queries, then every later query,
+  per layer and row): one copy of the query (`window`, `snapkv`, `tova`, `caote`, `critical`, `expected`);
+- attention accumulated online (`h2o`, `importance`, `vatp`): every query adds the attention it paid
+  to every stored entry to that entry's sums (`Segments.received`, one float per entry and query
+  head, seeded from the prefill and evicted with the entry). Sieve attention then computes the
+  layer's attention with an explicit softmax instead of fused SDPA, and adds its column sums;
+- the output projection (`critical`) and the rotary embedding (`expected`): read from the model,
+  nothing per step.
 """
 
 from __future__ import annotations
@@ -26,8 +30,7 @@ import torch
 
 from .budget import SizeBudget, check_count
 from .cache import SievedCache
-from .errors import PolicyError
-from .observe import Needs, Observation, Prefill, Statistics, cached_observations
+from .observe import Observation, Prefill, Rotary, Statistics, cached_observations, find_rotary, layer_statistics
 from .policy import Policy
 
 #: Tokens a bounded cache may grow past its budget before it is evicted back to it.
@@ -88,6 +91,8 @@ class BoundedGrowth:
         buffer: entries per (layer, kv-head) the cache grows past the budget before it is evicted.
         layers: each layer's `Statistics` (`kvsieve.observe.layer_statistics`).
         queries: the recent queries the policy's scorer reads (None if it reads none).
+        rotary: the model's rotary embedding, if the scorer reads it.
+        protect: cache positions never evicted (a question), besides the policy's sinks and window.
     """
 
     policy: Policy
@@ -95,28 +100,41 @@ class BoundedGrowth:
     buffer: int
     layers: Sequence[Statistics]
     queries: RecentQueries | None = None
+    rotary: Rotary | None = None
+    protect: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         check_count("buffer", self.buffer)
-        needs = self.policy.needs
-        if needs != Needs(window=needs.window):
-            raise PolicyError(
-                f"{self.policy.name} reads attention accumulated over all queries, the output projection or the "
-                f"rotary embedding ({needs}), which eviction during generation does not record yet; bounded "
-                "generation works with scorers that read the cache and recent queries (streaming, random, knorm, "
-                "keydiff, window, snapkv, tova)"
-            )
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether the cache sums the attention every entry receives (the scorer reads it)."""
+        return self.policy.needs.accumulated
 
     @classmethod
-    def of(cls, policy: Policy, budget: SizeBudget, buffer: int, layers: Sequence[Statistics]) -> BoundedGrowth:
-        """A bounded growth that logs the recent queries the policy reads (`start` it from the prefill)."""
-        window = policy.needs.window
-        return cls(policy, budget, buffer, layers, RecentQueries(window) if window else None)
+    def of(
+        cls,
+        policy: Policy,
+        budget: SizeBudget,
+        buffer: int,
+        model: torch.nn.Module,
+        protect: torch.Tensor | None = None,
+    ) -> BoundedGrowth:
+        """A bounded growth that keeps what the policy's scorer reads (`start` it from a prefill, if any)."""
+        needs = policy.needs
+        queries = RecentQueries(needs.window) if needs.window else None
+        rotary = find_rotary(model) if needs.rotary else None
+        return cls(policy, budget, buffer, layer_statistics(model, needs), queries, rotary, protect)
 
     def start(self, prefill: Prefill) -> None:
-        """Take the recent queries from the prefill the cache was compressed from."""
+        """Take the recent queries and the attention sums from the prefill the cache is compressed from.
+
+        Call it before the prefill's cache is evicted: the sums then move with the kept entries.
+        """
         if self.queries is not None:
             self.queries.seed(prefill)
+        if self.accumulates:
+            seed_received(prefill)
 
     def before_append(self, cache: SievedCache, incoming: int) -> None:
         """Evict every sequence back to the budget if appending `incoming` tokens would pass budget + buffer."""
@@ -132,7 +150,10 @@ class BoundedGrowth:
     def evict(self, cache: SievedCache) -> None:
         """Evict every sequence of `cache` back to the budget."""
         cache.evict(
-            [self.policy.keep_indices(self.observations(cache, row), self.budget) for row in range(cache.batch_size)]
+            [
+                self.policy.keep_indices(self.observations(cache, row), self.budget, self.protect)
+                for row in range(cache.batch_size)
+            ]
         )
 
     def observations(self, cache: SievedCache, row: int) -> list[Observation]:
@@ -140,4 +161,23 @@ class BoundedGrowth:
         layers = self.layers
         if self.queries is not None:
             layers = [self.queries.statistics(idx, row, stats) for idx, stats in enumerate(layers)]
-        return cached_observations(cache, layers, row)
+        return cached_observations(cache, layers, row, self.rotary)
+
+
+def seed_received(prefill: Prefill) -> None:
+    """Store the attention every prefill entry received (`Statistics.received`) in the prefill's cache.
+
+    Padding entries get 0. From then on the sums move and are evicted with their entries.
+    """
+    for idx, layer in enumerate(prefill.cache.layers):
+        segments = layer.segments
+        per_row = []
+        for row, observations in enumerate(prefill.observations):
+            received = observations[idx].received("the bounded cache")  # [q_heads, n_real]
+            received = received.unflatten(0, (segments.heads, -1)).transpose(1, 2)  # [heads, n_real, group]
+            entries = prefill.entries[row]
+            if entries is not None:
+                full = received.new_zeros(segments.heads, segments.max_length, received.shape[-1])
+                received = full.index_copy_(1, entries, received)
+            per_row.append(received)
+        segments.add_received(torch.stack(per_row))

@@ -14,6 +14,8 @@ made per head or per row.
 - `reference_attention`: float64, one (row, query head) at a time; the exact reference the tests hold the others to.
 - `observed_attention`: a fresh prefill that also sums the attention every key receives, in query
   chunks, so the `q x n` matrix is never held whole.
+- `tallied_attention`: attention over a padded view that also returns the attention every column
+  received (H2O's statistic during generation), with an explicit softmax in query chunks.
 """
 
 from __future__ import annotations
@@ -139,6 +141,40 @@ def observed_attention(
             inverse = inverse * query_weight[:, None, None, start:stop, None]
         received[..., :stop] += inverse.transpose(-1, -2) @ weights
     return _unfold(out.reshape(rows, kv_heads, group * n, dim), q_heads, n).to(query.dtype), received.flatten(1, 3)
+
+
+def tallied_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor | None,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention (float32 softmax) and the attention every column received from the forward's queries.
+
+    Returns the output `[rows, q, q_heads, d]` and received `[rows, kv_heads, length, group]`: summed
+    over the queries, per query head of each kv-head's group. Queries go in chunks of at most
+    `CHUNK_ELEMENTS` weights per (row, query head); a query that sees nothing receives and gives 0.
+    """
+    rows, q_heads, q, dim = query.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    group = q_heads // kv_heads
+    grouped = query.float().reshape(rows, kv_heads, group, q, dim) * scaling
+    keys_t, values_f = keys.float().transpose(-1, -2)[:, :, None], values.float()[:, :, None]
+    out = torch.empty(rows, kv_heads, group, q, dim, dtype=torch.float32, device=query.device)
+    received = torch.zeros(rows, kv_heads, group, length, dtype=torch.float32, device=query.device)
+    chunk = max(1, CHUNK_ELEMENTS // max(length, 1))
+    for start in range(0, q, chunk):
+        stop = min(q, start + chunk)
+        scores = grouped[:, :, :, start:stop] @ keys_t  # [rows, kv, group, size, length]
+        if visible is not None and visible.dtype == torch.bool:
+            scores.masked_fill_(~visible[:, :, None, start:stop], float("-inf"))
+        elif visible is not None:
+            scores += visible[:, :, None]  # a decoding step's additive bias
+        weights = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+        out[:, :, :, start:stop] = weights @ values_f
+        received += weights.sum(dim=3)
+    return _unfold(out.reshape(rows, kv_heads, group * q, dim), q_heads, q).to(query.dtype), received.transpose(2, 3)
 
 
 def varlen_available(query: torch.Tensor) -> bool:

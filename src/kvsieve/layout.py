@@ -48,6 +48,14 @@ class QueryLog(Protocol):
     def append(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor) -> None: ...
 
 
+class AttentionTally(Protocol):
+    """Receives the attention every returned entry got in a forward (see `Segments.add_received`)."""
+
+    def add_received(self, received: torch.Tensor) -> None:
+        """`received`: `[rows, kv_heads, length, group]`, laid out as the returned key tensor."""
+        ...
+
+
 @dataclass
 class RaggedLayout:
     """The structure of one layer's returned key/value tensors.
@@ -61,6 +69,7 @@ class RaggedLayout:
         layer_idx: the layer.
         recorder: set during an observed prefill.
         queries: set on a cache that keeps recent queries for eviction during generation.
+        tally: set on a cache that sums the attention each entry receives (H2O during generation).
     """
 
     slots: Slots
@@ -69,6 +78,7 @@ class RaggedLayout:
     layer_idx: int
     recorder: Recorder | None = None
     queries: QueryLog | None = None
+    tally: AttentionTally | None = None
 
 
 _LAYOUTS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()

@@ -8,6 +8,7 @@ its own entries, padded to the longest head and marked by `valid`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -105,6 +106,7 @@ class Observation:
             cache hold different numbers of entries and are padded to the longest).
         stats: what the prefill recorded (see `Statistics`).
         rotary: the model's rotary embedding, if a scorer needs it.
+        seen: tokens the sequence has seen, when its entries are not all of them (an evicted cache).
     """
 
     layer_idx: int
@@ -115,6 +117,7 @@ class Observation:
     valid: torch.Tensor | None
     stats: Statistics
     rotary: Rotary | None = None
+    seen: int | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -146,14 +149,15 @@ class Observation:
         return self.valid
 
     def received(self, who: str) -> torch.Tensor:
-        """`[q_heads, n]` attention each entry received from all prefill queries, or a clear error."""
+        """`[q_heads, n]` attention each entry received from every query so far, or a clear error."""
         if self.stats.received is None:
-            raise ValueError(f"{who} needs the attention accumulated over all prefill queries (Needs.accumulated)")
+            raise ValueError(f"{who} needs the attention accumulated over all queries (Needs.accumulated)")
         return self.stats.received
 
     def queries_seeing(self) -> torch.Tensor:
-        """`[kv_heads, n]` how many prefill queries could attend to each entry (every prefill token is a query)."""
-        return (self.valid_mask.sum(dim=-1, keepdim=True) - self.positions).clamp(min=1)
+        """`[kv_heads, n]` how many queries could attend to each entry (every token seen is a query)."""
+        seen = self.valid_mask.sum(dim=-1, keepdim=True) if self.seen is None else self.seen
+        return (seen - self.positions).clamp(min=1)
 
     def queries(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last `window` recorded queries `[q_heads, w, d]` and their positions `[w]`."""
@@ -379,30 +383,51 @@ def _prefill_observation(
     return Observation(layer_idx, num_layers, keys, values, positions, None, stats, rotary)
 
 
-def layer_statistics(model: torch.nn.Module) -> list[Statistics]:
-    """Per layer, what every observation states: the softmax scale and the number of query heads."""
+def layer_statistics(model: torch.nn.Module, needs: Needs = Needs()) -> list[Statistics]:
+    """Per layer, what every observation states (softmax scale, query heads) and the output projection if needed."""
     return [
-        Statistics(scaling=layer.self_attn.scaling, q_heads=layer.self_attn.config.num_attention_heads)
+        Statistics(
+            scaling=layer.self_attn.scaling,
+            q_heads=layer.self_attn.config.num_attention_heads,
+            output_weight=output_projection(layer.self_attn) if needs.output_projection else None,
+        )
         for layer in model.base_model.layers
     ]
 
 
-def cached_observations(cache: SievedCache, layers: Sequence[Statistics], row: int = 0) -> list[Observation]:
+def cached_observations(
+    cache: SievedCache, layers: Sequence[Statistics], row: int = 0, rotary: Rotary | None = None
+) -> list[Observation]:
     """Observations of the entries a (possibly evicted) cache holds for one sequence, one per layer.
 
     Every kv-head has its own entries, padded to the longest and marked by `valid`; `layers` gives
-    each layer's `Statistics` (`layer_statistics`). Nothing is recomputed: scorers that read only
-    keys, values and positions work on them; scorers that read prefill queries or accumulated
-    attention raise a clear error.
+    each layer's `Statistics` (`layer_statistics`, recent queries added by the caller). The attention
+    each entry received is read from the cache when it keeps it (a bounded cache whose scorer
+    accumulates). Nothing is recomputed: a scorer that reads what is neither given nor kept raises a
+    clear error.
     """
     observations = []
     for idx, (layer, stats) in enumerate(zip(cache.layers, layers, strict=True)):
-        view = layer.segments.padded()
+        segments = layer.segments
+        view = segments.padded()
         positions = view.slots.positions()[row]
         valid = positions != PAD_POSITION
         positions = positions.masked_fill(~valid, -1)
+        if segments.received is not None:  # [heads, n, group] -> [q_heads, n]
+            received = segments.padded_received()[row].permute(0, 2, 1).flatten(0, 1)
+            stats = dataclasses.replace(stats, received=received)
         observations.append(
-            Observation(idx, len(cache.layers), view.keys[row], view.values[row], positions, valid, stats)
+            Observation(
+                idx,
+                len(cache.layers),
+                view.keys[row],
+                view.values[row],
+                positions,
+                valid,
+                stats,
+                rotary,
+                seen=layer.seen_tokens,
+            )
         )
     return observations
 

@@ -13,6 +13,11 @@ free; otherwise the segments are packed and a padded view is gathered through `s
 `[segments, width]` table of every segment's buffer rows, its room included (width = the
 largest capacity; free room holds zeros), with an additive attention bias that opens a slot
 when an entry is appended to it.
+
+A scorer that reads attention accumulated online (H2O) needs one more number per entry and query
+head: the attention it received so far (`received`, float32 `[capacity, group]`). It is kept only
+when asked for (`add_received`), starts at 0 for every appended entry, and moves and is evicted
+with its entry.
 """
 
 from __future__ import annotations
@@ -106,6 +111,7 @@ class Segments:
     ) -> None:
         self.rows = rows
         self.heads = len(lengths) // rows
+        self.received: torch.Tensor | None = None  # attention received per entry and query head (on demand)
         self._assign(keys, values, positions, lengths, capacity)
 
     def _assign(
@@ -171,8 +177,9 @@ class Segments:
         return sum(self.lengths) * self.entry_bytes()
 
     def allocated_nbytes(self) -> int:
-        """Bytes of the key and value buffers, free room and the null entry included."""
-        return self.keys.untyped_storage().nbytes() + self.values.untyped_storage().nbytes()
+        """Bytes of the key and value buffers (free room and the null entry included) and of `received`."""
+        tally = 0 if self.received is None else self.received.untyped_storage().nbytes()
+        return self.keys.untyped_storage().nbytes() + self.values.untyped_storage().nbytes() + tally
 
     def segment(self, row: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys `[n, d]`, values `[n, d]` and positions `[n]` of one segment (views)."""
@@ -214,6 +221,9 @@ class Segments:
         target = torch.arange(self.null_index, device=self.keys.device) + shift
         for old, new in zip((self.keys, self.values, self.positions), buffers, strict=True):
             new.index_copy_(0, target, old[:-1])
+        if self.received is not None:
+            received = self.received.new_zeros(buffers[0].shape[0], self.received.shape[1])
+            self.received = received.index_copy_(0, target, self.received[:-1])
         self._assign(*buffers, self.lengths, capacity)
 
     def padded(self) -> PaddedView:
@@ -242,4 +252,32 @@ class Segments:
         out = Segments.unfilled(lengths, rows, self.keys, self.values.shape[-1])
         for old, new in ((self.keys, out.keys), (self.values, out.values), (self.positions, out.positions)):
             new[:-1] = old.index_select(0, flat)
+        if self.received is not None:
+            out.received = torch.cat([self.received.index_select(0, flat), self.received.new_zeros(1, self.group)])
         return out
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv-head that `received` counts (0 when it is not kept)."""
+        return 0 if self.received is None else self.received.shape[1]
+
+    def _received_grid(self) -> torch.Tensor:
+        return self.received[:-1].view(self.rows, self.heads, self.capacity[0], -1).narrow(2, 0, self.lengths[0])
+
+    def padded_received(self) -> torch.Tensor:
+        """`received` in the shape of `padded()`: `[rows, heads, length, group]` (padding slots hold 0)."""
+        if self.received is None:
+            raise ValueError("this layer keeps no attention sums; a scorer that reads them must ask for them")
+        if self.grid:
+            return self._received_grid()
+        return self.received.index_select(0, self.slots.view(-1)).view(self.rows, self.heads, -1, self.group)
+
+    def add_received(self, received: torch.Tensor) -> None:
+        """Add `[rows, heads, length, group]` attention (laid out as `padded()`) to the entries' sums."""
+        if self.received is None:
+            self.received = received.new_zeros(self.null_index + 1, received.shape[-1], dtype=torch.float32)
+        if self.grid:
+            self._received_grid().add_(received)
+        else:
+            self.received.index_add_(0, self.slots.view(-1), received.reshape(-1, self.group).float())
+            self.received[-1] = 0
