@@ -46,3 +46,23 @@ def test_default_model_full_cache_matches_sdpa_and_compressed_generate_runs(defa
     entry = 2 * 64 * 4  # key + value, head_dim 64, float32
     assert ragged.nbytes() == sum(lengths) * entry
     assert ragged.allocated_nbytes() == ragged.nbytes() + 30 * entry, "exactly sized, plus one null entry per layer"
+
+
+@torch.no_grad()
+def test_default_model_h2o_generation_stays_bounded_and_starts_as_the_full_cache(default_model):
+    """h2o with attention accumulated online: same logits until the first eviction, then held at the budget."""
+    model, tokenizer = default_model
+    _, ids = sample_documents(tokenizer, 1, 200, seed=2)[0]
+    gen = {"max_new_tokens": 120, "min_new_tokens": 120, "do_sample": False, "pad_token_id": 0}
+    gen |= {"output_scores": True, "return_dict_in_generate": True}
+    model.set_attn_implementation("sdpa")
+    plain = model.generate(ids, **gen)
+    config = kvsieve.EvictionConfig(eviction_mode="h2o", max_tokens=256, buffer=32)
+    with kvsieve.apply(model, config) as handle:
+        bounded = model.generate(ids, **gen)
+        cache = handle.last_cache
+    # 199 prompt entries + 57 steps fit 256 + 32; the first eviction comes before step 90
+    same = torch.stack(plain.scores[:80]).nan_to_num(neginf=0.0)
+    torch.testing.assert_close(torch.stack(bounded.scores[:80]).nan_to_num(neginf=0.0), same, atol=2e-3, rtol=0)
+    assert cache.get_seq_length() == 319 and 256 <= cache.mean_stored() <= 256 + 32
+    assert cache.allocated_nbytes() > cache.nbytes(), "the attention sums are counted"
