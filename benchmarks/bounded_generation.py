@@ -1,9 +1,10 @@
 """Bounded generation: a cache held at `max_tokens` while the default model generates thousands of tokens.
 
-The default model decodes `--steps` tokens greedily from a short essay prompt: once per policy
-from a kvsieve cache compressed to `max_tokens` with `buffer` (it is evicted back to the budget
-every `buffer` steps), and once from the model's own unbounded `DynamicCache`. Every `--every`
-steps we sample KV bytes held and allocated, the process RSS and the median step time of the last
+The default model decodes `--steps` tokens greedily from a short essay prompt: per policy from
+a kvsieve cache compressed to `max_tokens` with `buffer` (it is evicted back to the budget every
+`buffer` steps), and from the model's own unbounded `DynamicCache`. The caches advance in
+lockstep (one step of each in turn), so a busy machine slows them alike. Every `--every` steps we
+sample KV bytes held and allocated, the process RSS and the median step time of the last
 `--every` steps. Until the first eviction the caches hold the same entries: the first 64 steps'
 logits must agree. The policies show the cost per step of what a scorer keeps between evictions:
 nothing (knorm), the recent queries (snapkv), attention accumulated online (h2o). Then a soak on
@@ -39,30 +40,36 @@ def rss_mib() -> float:
     return psutil.Process().memory_info().rss / MIB
 
 
-@torch.no_grad()
-def decode(model: torch.nn.Module, cache: object, first: torch.Tensor, steps: int, every: int, label: str) -> dict:
-    """Greedy decoding of `steps` tokens, one forward each; samples every `every` steps and the first 64 logits."""
-    token, times, samples, early = first, [], [], []
-    for step in track(range(1, steps + 1), description=label):
+class Decoder:
+    """Greedy decoding from one cache, a step at a time: step times, samples every `every` steps, first 64 logits."""
+
+    def __init__(self, cache: object, first: torch.Tensor, every: int) -> None:
+        self.cache, self.token, self.every = cache, first, every
+        self.times: list[float] = []
+        self.samples: list[dict] = []
+        self.early: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def step(self, model: torch.nn.Module) -> None:
         tick = time.perf_counter()
-        logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
-        times.append(time.perf_counter() - tick)
-        token = logits.argmax(-1, keepdim=True)
+        logits = model(input_ids=self.token, past_key_values=self.cache, use_cache=True).logits[:, -1]
+        self.times.append(time.perf_counter() - tick)
+        self.token = logits.argmax(-1, keepdim=True)
+        step = len(self.times)
         if step <= 64:
-            early.append(logits.clone())
-        if step % every == 0:
-            held = cache.nbytes() if isinstance(cache, kvsieve.SievedCache) else dense_nbytes(cache)
-            allocated = cache.allocated_nbytes() if isinstance(cache, kvsieve.SievedCache) else held
-            samples.append(
+            self.early.append(logits.clone())
+        if step % self.every == 0:
+            sieved = isinstance(self.cache, kvsieve.SievedCache)
+            held = self.cache.nbytes() if sieved else dense_nbytes(self.cache)
+            self.samples.append(
                 {
                     "step": step,
                     "kv_mib": held / MIB,
-                    "allocated_mib": allocated / MIB,
+                    "allocated_mib": (self.cache.allocated_nbytes() if sieved else held) / MIB,
                     "rss_mib": rss_mib(),
-                    "step_ms": 1e3 * statistics.median(times[-every:]),
+                    "step_ms": 1e3 * statistics.median(self.times[-self.every :]),
                 }
             )
-    return {"samples": samples, "early": torch.stack(early)}
 
 
 def dense_nbytes(cache: DynamicCache) -> int:
@@ -76,24 +83,46 @@ def default_model_run(args: argparse.Namespace, console: Console) -> dict:
     dense = DynamicCache()
     with torch.no_grad():
         model(input_ids=prompt[:, :-1], past_key_values=dense, use_cache=True)
-    unbounded = decode(model, dense, first, args.steps, args.every, "unbounded")
+    unbounded = Decoder(dense, first, args.every)
+    policies = args.policies.split(",")
+    bounded = {
+        policy: Decoder(
+            kvsieve.compress(model, prompt[:, :-1], policy, max_tokens=args.max_tokens, buffer=args.buffer),
+            first,
+            args.every,
+        )
+        for policy in policies
+    }
+    with kvsieve.sieve_attention(model):  # the unbounded DynamicCache takes the model's own SDPA path
+        for _ in track(range(args.steps), description=f"{len(policies)} bounded caches and the unbounded one"):
+            for decoder in (unbounded, *bounded.values()):
+                decoder.step(model)
     report = {}
-    for policy in args.policies.split(","):
-        cache = kvsieve.compress(model, prompt[:, :-1], policy, max_tokens=args.max_tokens, buffer=args.buffer)
-        with kvsieve.sieve_attention(model):
-            bounded = decode(model, cache, first, args.steps, args.every, f"bounded ({policy})")
-        early_error = float((bounded["early"] - unbounded["early"]).abs().max())
+    for policy, decoder in bounded.items():
+        early_error = float((torch.stack(decoder.early) - torch.stack(unbounded.early)).abs().max())
         rows = [
             {"step": b["step"], "bounded": b, "unbounded": u, "time_ratio": b["step_ms"] / u["step_ms"]}
-            for b, u in zip(bounded["samples"], unbounded["samples"], strict=True)
+            for b, u in zip(decoder.samples, unbounded.samples, strict=True)
         ]
         console.print(samples_table(policy, rows))
         console.print(f"{policy}: first 64 steps, largest logit difference bounded vs unbounded: {early_error:.2e}")
         report[policy] = {"rows": rows, "first_64_max_abs_logit_diff": early_error}
+    console.print(cost_table(report, policies[0]))
     return report
 
 
+def cost_table(report: dict, baseline: str) -> Table:
+    """Median step time once the budget is reached (after the first `every` steps), per policy and vs `baseline`."""
+    median = {p: statistics.median(r["bounded"]["step_ms"] for r in runs["rows"][1:]) for p, runs in report.items()}
+    table = Table("policy", "step ms (median of samples after the first)", f"vs {baseline}", title="cost per step")
+    for policy, ms in median.items():
+        table.add_row(policy, f"{ms:.1f}", f"{ms / median[baseline]:.2f}")
+        report[policy]["step_ms_at_budget"] = ms
+    return table
+
+
 def samples_table(policy: str, rows: list[dict]) -> Table:
+    """Bytes, RSS and step time of one bounded cache against the unbounded one, every `every` steps."""
     table = Table(
         "step",
         "bounded KV MiB",
