@@ -44,8 +44,9 @@ class RecentQueries:
 
     def seed(self, prefill: Prefill) -> None:
         """Start from the last queries an observed prefill recorded (positions become cache positions)."""
-        for layer in range(len(prefill.cache.layers)):
-            stats = [observations[layer].stats for observations in prefill.observations]
+        for column, observed in enumerate(prefill.observations[0]):
+            layer = observed.layer_idx
+            stats = [observations[column].stats for observations in prefill.observations]
             self.queries[layer] = torch.stack([s.window_queries for s in stats])
             self.positions[layer] = torch.stack(
                 [
@@ -120,24 +121,26 @@ class BoundedGrowth:
 
     def before_append(self, cache: SievedCache, incoming: int) -> None:
         """Evict every sequence back to the budget if appending `incoming` tokens would pass budget + buffer."""
-        layers = [layer.segments for layer in cache.layers]
+        layers = [cache.layers[idx].segments for idx in cache.full_layers]
         if not layers or any(segments is None for segments in layers):
             return
         heads = sum(segments.heads for segments in layers)
-        limit = self.budget.tokens_per_head(heads, layers[0].entry_bytes()) + self.buffer
+        budget = self.budget.reserve(cache.window_nbytes())  # sliding-window layers' bytes come first
+        limit = budget.tokens_per_head(heads, layers[0].entry_bytes()) + self.buffer
         if max(cache.mean_stored(row) for row in range(cache.batch_size)) + incoming <= limit:
             return
         self.evict(cache)
 
     def evict(self, cache: SievedCache) -> None:
         """Evict every sequence of `cache` back to the budget."""
-        cache.evict(
-            [self.policy.keep_indices(self.observations(cache, row), self.budget) for row in range(cache.batch_size)]
-        )
+        budget = self.budget.reserve(cache.window_nbytes())
+        rows = range(cache.batch_size)
+        cache.evict([self.policy.keep_indices(self.observations(cache, row), budget) for row in rows])
 
     def observations(self, cache: SievedCache, row: int) -> list[Observation]:
         """What the scorer reads for one sequence: the entries the cache holds and the recent queries."""
-        layers = self.layers
+        layers = list(self.layers)
         if self.queries is not None:
-            layers = [self.queries.statistics(idx, row, stats) for idx, stats in enumerate(layers)]
+            for idx in cache.full_layers:
+                layers[idx] = self.queries.statistics(idx, row, layers[idx])
         return cached_observations(cache, layers, row)
