@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import pytest
 import torch
-from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AttentionInterface,
+    DynamicCache,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+)
 
 REFERENCE_ATTENTION = "kvsieve_test_masked_reference"
+#: Sliding window of the tiny sliding-window models.
+WINDOW = 16
+
+#: Positions kept per kv-head: per layer, or for some layers by index.
+Kept = list[list[torch.Tensor]] | dict[int, list[torch.Tensor]]
 
 
 def tiny_llama(
@@ -26,6 +41,44 @@ def tiny_llama(
         attn_implementation="sdpa",
     )
     return LlamaForCausalLM(config).eval()
+
+
+def tiny_gemma3(seed: int = 0, layer_types: tuple[str, ...] = ("sliding", "full") * 2) -> Gemma3ForCausalLM:
+    """A random Gemma-3: sliding and full-attention layers, softmax scale `query_pre_attn_scalar ** -0.5` (not
+    `head_dim ** -0.5`), no attention soft-capping."""
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        layer_types=[f"{kind}_attention" for kind in layer_types],
+        sliding_window=WINDOW,
+        max_position_embeddings=1024,
+        attn_implementation="sdpa",
+    )
+    return Gemma3ForCausalLM(config).eval()
+
+
+def tiny_mistral(seed: int = 0) -> MistralForCausalLM:
+    """A random Mistral with `sliding_window` set: in transformers 5.2 every layer is then a sliding one."""
+    torch.manual_seed(seed)
+    config = MistralConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=WINDOW,
+        max_position_embeddings=1024,
+        attn_implementation="sdpa",
+    )
+    return MistralForCausalLM(config).eval()
 
 
 @pytest.fixture
@@ -46,7 +99,8 @@ TALLY = "tally"
 
 
 def _masked_reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Full dense cache, float64, causal, and per-(layer, kv-head) masking of dropped positions."""
+    """Full dense cache, float64, causal (within the window of a sliding layer), and per-(layer, kv-head)
+    masking of dropped positions."""
     _, n_heads, q_len, _ = query.shape
     n_kv, kv_len = key.shape[1], key.shape[2]
     group = n_heads // n_kv
@@ -57,6 +111,8 @@ def _masked_reference_attention(module, query, key, value, attention_mask, dropo
         kv_h = h // group
         scores = (query[0, h].double() @ key[0, kv_h].double().T) * scaling
         allowed = key_pos[None, :] <= query_pos[:, None]
+        if kwargs.get("sliding_window") is not None:
+            allowed = allowed & (key_pos[None, :] > query_pos[:, None] - kwargs["sliding_window"])
         if module.layer_idx in _ALLOWED:
             allowed = allowed & _ALLOWED[module.layer_idx][kv_h][:kv_len].to(query.device)[None, :]
         scores = scores.masked_fill(~allowed, float("-inf"))
@@ -72,14 +128,22 @@ def _masked_reference_attention(module, query, key, value, attention_mask, dropo
 AttentionInterface.register(REFERENCE_ATTENTION, _masked_reference_attention)
 
 
-class MaskedReference:
-    """A plain transformers model with a full DynamicCache that masks, per layer and kv-head, dropped positions."""
+def _by_layer(kept: Kept) -> Iterable[tuple[int, list[torch.Tensor]]]:
+    return kept.items() if isinstance(kept, dict) else enumerate(kept)
 
-    def __init__(self, model: LlamaForCausalLM, prefix: torch.Tensor, kept: list[list[torch.Tensor]]) -> None:
+
+class MaskedReference:
+    """A plain transformers model with a full DynamicCache that masks, per layer and kv-head, dropped positions.
+
+    `kept`: per layer (a list) or for some layers (a dict: the full-attention layers of a model with
+    sliding-window ones), the positions each kv-head keeps; sliding layers keep the sliding mask.
+    """
+
+    def __init__(self, model: PreTrainedModel, prefix: torch.Tensor, kept: Kept) -> None:
         self.model = model
         self.prefix_len = prefix.shape[1]
         self.allowed = {}
-        for layer, heads in enumerate(kept):
+        for layer, heads in _by_layer(kept):
             masks = []
             for positions in heads:
                 allowed = torch.ones(4096, dtype=torch.bool)
@@ -101,9 +165,9 @@ class MaskedReference:
         _RECEIVED[TALLY] = torch.empty(0)
         return _RECEIVED
 
-    def allow(self, kept: list[list[torch.Tensor]]) -> None:
+    def allow(self, kept: Kept) -> None:
         """From now on, every (layer, kv-head) sees exactly the positions `kept[layer][kv_head]`."""
-        for layer, heads in enumerate(kept):
+        for layer, heads in _by_layer(kept):
             for head, positions in enumerate(heads):
                 allowed = torch.zeros(4096, dtype=torch.bool)
                 allowed[positions.cpu()] = True

@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM
 
 import kvsieve
 from conftest import tiny_llama
@@ -106,20 +105,6 @@ def test_evicted_cache_outside_sieve_attention_is_refused(model, ids):
         model(ids[:, 100:], past_key_values=cache)
     with pytest.raises(kvsieve.RaggedAttentionError, match="only kvsieve's sieve attention reads"):
         model.generate(ids, past_key_values=cache, max_new_tokens=3, pad_token_id=0)
-
-
-def test_sliding_window_model_is_refused():
-    config = MistralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        sliding_window=16,
-    )
-    with pytest.raises(UnhookableModelError, match="sliding-window"):
-        kvsieve.compress(MistralForCausalLM(config).eval(), torch.randint(0, 64, (1, 60)), "importance", 0.5)
 
 
 def test_non_transformers_model_is_refused(ids):

@@ -12,12 +12,13 @@ from types import TracebackType
 import torch
 
 from .attention import sieve_attention
-from .budget import Budget, check_count, make_budget
+from .budget import Budget, Rate, as_budget, check_count, make_budget
 from .cache import SievedCache
 from .errors import PolicyError
 from .growth import DEFAULT_BUFFER, BoundedGrowth
 from .observe import Observation, Prefill, check_input_ids, observe_prefill
 from .policy import DEFAULT_N_SINK, DEFAULT_SLIDING_WINDOW, Policy, make_policy
+from .sliding import layer_windows
 
 
 def question_protection(n_context: int, n_question: int, sliding_window: int) -> torch.Tensor:
@@ -102,6 +103,7 @@ def compress(
     limit = make_budget(rate, max_tokens, max_bytes)
     resolved = make_policy(policy, budget=budget, **policy_params)
     check_input_ids(model, input_ids)
+    refuse_unevictable(model, limit)
     if question_ids is not None:
         input_ids, protected = _with_question(model, input_ids, attention_mask, question_ids, resolved.sliding_window)
         protect_positions = protected if protect_positions is None else torch.cat([protect_positions, protected])
@@ -126,7 +128,11 @@ def compress(
 def _keep_rows(
     prefill: Prefill, policy: Policy, limit: Budget, protect: torch.Tensor | None
 ) -> list[list[list[torch.Tensor]]]:
-    """Stored indices every row of `prefill` keeps; a policy error names the row of a batch."""
+    """Stored indices every row of `prefill` keeps; a policy error names the row of a batch.
+
+    A byte budget pays for the sliding-window layers' windows first (`Budget.reserve`).
+    """
+    limit = limit.reserve(prefill.cache.window_nbytes())
     keep = []
     for row, observations in enumerate(prefill.observations):
         try:
@@ -136,6 +142,19 @@ def _keep_rows(
                 raise
             raise PolicyError(f"sequence {row} of the batch: {err}") from None
     return keep
+
+
+def refuse_unevictable(model: torch.nn.Module, budget: Budget) -> None:
+    """A clear error when a budget asks to evict from a model whose every layer keeps its own sliding window."""
+    windows = layer_windows(model)
+    if None in windows or budget == Rate(0.0):
+        return
+    raise PolicyError(
+        f"nothing to evict: every layer of {type(model).__name__} is a sliding-window layer "
+        f"(sliding_window={windows[0]}), whose cache already holds at most the last {windows[0] - 1} tokens per "
+        "(layer, kv-head) and is never evicted by a policy; kvsieve evicts full-attention layers. Use rate=0 to "
+        "keep the windows as they are, or the model's own cache"
+    )
 
 
 def _check_bounded(
@@ -196,7 +215,8 @@ def bounded_cache(
         raise PolicyError("a bounded cache needs a size: max_tokens or max_bytes")
     limit = make_budget(None, max_tokens, max_bytes)
     resolved = make_policy(policy, budget=budget, **policy_params)
-    cache = SievedCache()
+    refuse_unevictable(model, limit)
+    cache = SievedCache.for_model(model)
     cache.growth = BoundedGrowth.of(resolved, limit, buffer, model)
     return cache
 
@@ -250,10 +270,13 @@ class Eviction:
     budget: float | Budget = 0.0
     protect_positions: torch.Tensor | None = None
 
-    def keep_indices(self, observations: Sequence[Observation]) -> list[list[torch.Tensor]]:
+    def keep_indices(self, observations: Sequence[Observation], reserved: int = 0) -> list[list[torch.Tensor]]:
+        """Per observed layer and kv-head, the entries to keep; `reserved`: bytes per sequence of the
+        sliding-window layers at their window, which a byte budget sets aside first."""
         if self.policy is None:
             return [[torch.arange(o.length) for _ in range(o.num_kv_heads)] for o in observations]
-        return make_policy(self.policy).keep_indices(observations, self.budget, self.protect_positions)
+        budget = as_budget(self.budget).reserve(reserved)
+        return make_policy(self.policy).keep_indices(observations, budget, self.protect_positions)
 
 
 def evictions(prefill: Prefill, plans: Sequence[Eviction], row: int = 0) -> SievedCache:
@@ -262,7 +285,8 @@ def evictions(prefill: Prefill, plans: Sequence[Eviction], row: int = 0) -> Siev
     "Prefill once, sieve many" in one batch: a sweep decodes every (policy, rate) of a sample in
     one batched pass. The prefill's own cache is left as it is.
     """
-    keep = [prefill.stored(row, plan.keep_indices(prefill.observations[row])) for plan in plans]
+    reserved = prefill.cache.window_nbytes()
+    keep = [prefill.stored(row, plan.keep_indices(prefill.observations[row], reserved)) for plan in plans]
     return prefill.cache.keep(keep, rows=[row] * len(keep))
 
 

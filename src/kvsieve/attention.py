@@ -21,9 +21,11 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from .errors import UnhookableModelError
 from .kernels import masked_sdpa, observed_attention, tallied_attention, varlen_attention, varlen_available
 from .layout import RaggedLayout, layout_of, sieve_scope
 from .segments import PAD_POSITION
+from .sliding import layer_windows
 
 ATTENTION_NAME = "sieve"
 
@@ -32,13 +34,12 @@ class UnsupportedAttentionError(ValueError):
     """The attention call uses a feature sieve attention cannot serve exactly."""
 
 
-class UnhookableModelError(ValueError):
-    """The model's attention cannot be routed through sieve attention."""
-
-
 def _check_supported(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
     if kwargs.get("sliding_window") is not None:
-        raise UnsupportedAttentionError("sliding-window attention layers are not supported by SievedCache yet")
+        raise UnsupportedAttentionError(
+            "this SievedCache stores a sliding-window layer as an evictable one; build the cache for the model: "
+            "kvsieve.SievedCache.for_model(model)"
+        )
     if kwargs.get("softcap") is not None:
         raise UnsupportedAttentionError("attention logit soft-capping is not supported by SievedCache yet")
     if dropout and module.training:
@@ -131,19 +132,12 @@ def sieve_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Run the block with `model` on sieve attention (exact for every cache); its own attention comes back after.
 
     Raises `UnhookableModelError` for models whose attention does not go through the
-    `transformers` attention interface or that use layers sieve attention cannot serve.
+    `transformers` attention interface or that use layers sieve attention cannot serve
+    (`kvsieve.sliding.layer_windows`: full-attention and sliding-window layers are served).
     """
     if not isinstance(model, PreTrainedModel):
         raise UnhookableModelError(f"{type(model).__name__} is not a transformers PreTrainedModel")
-    text_config = model.config.get_text_config(decoder=True)
-    layer_types = getattr(text_config, "layer_types", None) or []
-    sliding = getattr(text_config, "sliding_window", None)
-    if any(t != "full_attention" for t in layer_types) or sliding:
-        raise UnhookableModelError(
-            f"{type(model).__name__} uses sliding-window or chunked attention layers "
-            f"({sorted(set(layer_types)) or f'sliding_window={sliding}'}); "
-            "SievedCache supports full-attention layers only for now"
-        )
+    layer_windows(model)
     if model.config._attn_implementation != ATTENTION_NAME and not model._can_set_attn_implementation():
         raise UnhookableModelError(
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "

@@ -8,10 +8,15 @@ same bytes under the same budget.
 - `Rate(r)`: evict the fraction `r` of each head's evictable entries (round half up).
 - `MaxTokens(m)`: hold `m` entries per (layer, kv-head) on average, protected entries included.
 - `MaxBytes(b)`: hold at most `b` bytes of keys and values for the sequence, all layers together.
+
+Budgets are about the layers a policy evicts: the full-attention ones. Sliding-window layers keep
+their own window; a byte budget sets their bytes at a full window aside first (`reserve`), a rate
+and an entry count leave them out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,6 +67,10 @@ class Budget(Protocol):
         """
         ...
 
+    def reserve(self, nbytes: int) -> Budget:
+        """This budget once layers no policy evicts hold `nbytes` per sequence (only a byte budget changes)."""
+        ...
+
 
 class SizeBudget(Budget, Protocol):
     """A budget that is a size, so it bounds a cache that grows (during generation)."""
@@ -79,6 +88,9 @@ class Rate:
 
     def __post_init__(self) -> None:
         check_rate(self.rate)
+
+    def reserve(self, nbytes: int) -> Rate:
+        return self
 
     def shares(
         self, evictable: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], entry_bytes: int = 0
@@ -108,6 +120,9 @@ class MaxTokens:
         """Entries per (layer, kv-head) on average."""
         return self.max_tokens
 
+    def reserve(self, nbytes: int) -> MaxTokens:
+        return self
+
     def shares(
         self, evictable: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], entry_bytes: int = 0
     ) -> list[list[int]]:
@@ -126,16 +141,31 @@ class MaxTokens:
 
 @dataclass(frozen=True)
 class MaxBytes:
-    """Hold at most `max_bytes` of keys and values for the sequence: `MaxTokens` of what fits per (layer, kv-head)."""
+    """Hold at most `max_bytes` of keys and values for the sequence: `MaxTokens` of what fits per (layer, kv-head).
+
+    `reserved`: bytes per sequence held by layers no policy evicts (sliding-window layers at a full
+    window), set aside before the evictable layers get any.
+    """
 
     max_bytes: int
+    reserved: int = 0
 
     def __post_init__(self) -> None:
         check_count("max_bytes", self.max_bytes)
 
+    def reserve(self, nbytes: int) -> MaxBytes:
+        return dataclasses.replace(self, reserved=nbytes)
+
     def tokens_per_head(self, heads: int, entry_bytes: int) -> int:
         """Entries per (layer, kv-head) that fit, for `heads` (layer, kv-head) pairs of `entry_bytes` entries."""
-        per_head = self.max_bytes // (heads * entry_bytes)
+        per_head = max(0, self.max_bytes - self.reserved) // (heads * entry_bytes)
+        if per_head < 1 and self.reserved:
+            raise PolicyError(
+                f"max_bytes={self.max_bytes} does not fit the sliding-window layers at their window "
+                f"({self.reserved} bytes per sequence, set aside first) plus one entry per full-attention "
+                f"(layer, kv-head) ({heads} heads x {entry_bytes} bytes): {self.reserved + heads * entry_bytes} "
+                "bytes at least"
+            )
         if per_head < 1:
             raise PolicyError(
                 f"max_bytes={self.max_bytes} is below one entry per (layer, kv-head): "
@@ -148,6 +178,11 @@ class MaxBytes:
     ) -> list[list[int]]:
         heads = sum(masks.shape[0] for masks in evictable)
         return MaxTokens(self.tokens_per_head(heads, entry_bytes)).shares(evictable, protected)
+
+
+def as_budget(budget: float | Budget) -> Budget:
+    """A budget, or an eviction rate as a `Rate`."""
+    return Rate(budget) if isinstance(budget, (int, float)) else budget
 
 
 def make_budget(rate: float | None = None, max_tokens: int | None = None, max_bytes: int | None = None) -> Budget:

@@ -1,7 +1,9 @@
 """SievedCache: a `transformers.Cache` whose entries are stored per (sequence, layer, kv-head).
 
-Every kv-head of every layer of every sequence keeps its own entries (`kvsieve.segments`), so heads,
-layers and sequences may keep different numbers of entries and evicted entries are really freed.
+Every kv-head of every full-attention layer of every sequence keeps its own entries
+(`kvsieve.segments`), so heads, layers and sequences may keep different numbers of entries and
+evicted entries are really freed. Sliding-window layers keep `transformers`' own rolling window
+(`kvsieve.sliding.SlidingLayer`): no policy evicts them, they are copied and counted as they are.
 Each entry remembers its cache position; the logical length (tokens seen) is kept apart from the
 stored length, so `model.generate()` and plain forwards place new tokens at their true positions.
 
@@ -19,12 +21,14 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
+from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .layout import QueryLog, RaggedLayout, Recorder, in_sieve_scope, publish
 from .segments import Segments
+from .sliding import SlidingLayer, layer_windows
 
-#: `keep[row][layer][kv_head]`: indices of the stored entries to keep.
+#: `keep[row][layer][kv_head]`: indices of the stored entries to keep, per full-attention layer (in order).
 KeepIndices = Sequence[Sequence[Sequence[torch.Tensor]]]
 
 
@@ -126,6 +130,10 @@ class SievedLayer(CacheLayerMixin):
     def allocated_nbytes(self) -> int:
         return 0 if self.segments is None else self.segments.allocated_nbytes()
 
+    def entry_bytes(self) -> int:
+        """Bytes of one stored entry's key and value."""
+        return 0 if self.segments is None else self.segments.entry_bytes()
+
     def keep(self, keep: Sequence[Sequence[torch.Tensor]], rows: Sequence[int]) -> SievedLayer:
         """A new layer whose row `i` holds the entries `keep[i][h]` of kv-head `h` of row `rows[i]`."""
         if self.segments is None:
@@ -218,7 +226,7 @@ class SievedCache(Cache):
     (context + new tokens) and feeds only the tokens the cache has not seen.
     """
 
-    def __init__(self, layers: list[SievedLayer] | None = None) -> None:
+    def __init__(self, layers: Sequence[SievedLayer | SlidingLayer] | None = None) -> None:
         if layers is None:
             super().__init__(layer_class_to_replicate=SievedLayer)
         else:
@@ -226,6 +234,17 @@ class SievedCache(Cache):
             self.layer_class_to_replicate = SievedLayer
         self.recorder: Recorder | None = None
         self.growth: Growth | None = None  # set by `compress` for a size budget with a buffer
+
+    @classmethod
+    def for_model(cls, model: PreTrainedModel) -> SievedCache:
+        """An empty cache with one layer per decoder layer of `model`: evictable for full attention, the
+        model's rolling window for sliding-window attention (as `transformers`' `DynamicCache(config)`)."""
+        return cls([SievedLayer() if window is None else SlidingLayer(window) for window in layer_windows(model)])
+
+    @property
+    def full_layers(self) -> list[int]:
+        """Indices of the full-attention layers: the ones a policy scores and evicts."""
+        return [idx for idx, layer in enumerate(self.layers) if not layer.is_sliding]
 
     def update(
         self,
@@ -244,6 +263,8 @@ class SievedCache(Cache):
         if layer_idx == 0 and self.growth is not None:
             self.growth.before_append(self, key_states.shape[-2])
         keys, values = super().update(key_states, value_states, layer_idx, cache_kwargs)
+        if self.layers[layer_idx].is_sliding:  # plain tensors that transformers' sliding mask describes
+            return keys, values
         layout = self.layers[layer_idx].layout
         layout.layer_idx, layout.recorder = layer_idx, self.recorder
         layout.queries = None if self.growth is None else self.growth.queries
@@ -261,46 +282,58 @@ class SievedCache(Cache):
         return self.layers[layer_idx].kept_positions(row)
 
     def stored_lengths(self, row: int = 0) -> list[list[int]]:
-        """Entries stored per (layer, kv-head) for sequence `row`."""
+        """Entries stored per (layer, kv-head) for sequence `row`, sliding-window layers included."""
         return [layer.stored_lengths(row) for layer in self.layers]
 
     def mean_stored(self, row: int = 0) -> float:
-        """Entries stored per (layer, kv-head) of sequence `row`, on average: what a size budget bounds."""
-        lengths = self.stored_lengths(row)
-        return sum(map(sum, lengths)) / sum(map(len, lengths))
+        """Entries stored per (full-attention layer, kv-head) of sequence `row`, on average: what a size budget
+        bounds (sliding-window layers hold their window whatever the budget)."""
+        lengths = [self.layers[idx].stored_lengths(row) for idx in self.full_layers]
+        heads = sum(map(len, lengths))
+        if not heads:
+            raise ValueError("the cache holds no full-attention layer entries (empty, or every layer is sliding)")
+        return sum(map(sum, lengths)) / heads
 
     def nbytes(self) -> int:
-        """Bytes held by the stored keys and values (cache positions not included)."""
+        """Bytes held by the stored keys and values of every layer (cache positions not included)."""
         return sum(layer.nbytes() for layer in self.layers)
 
     def row_nbytes(self, row: int) -> int:
-        """Bytes held by the keys and values of one sequence."""
-        return sum(
-            sum(layer.stored_lengths(row)) * layer.segments.entry_bytes() for layer in self.layers if layer.segments
-        )
+        """Bytes held by the keys and values of one sequence, every layer."""
+        return sum(sum(layer.stored_lengths(row)) * layer.entry_bytes() for layer in self.layers)
+
+    def window_nbytes(self) -> int:
+        """Bytes one sequence's sliding-window layers hold once their windows are full (a byte budget's reserve)."""
+        return sum(layer.window_nbytes() for layer in self.layers if layer.is_sliding)
 
     def allocated_nbytes(self) -> int:
         """Bytes allocated: keys and values (`nbytes()`, growth room of 2% or one block per head, null entries),
-        and the attention sums of a cache whose scorer reads them during generation."""
+        the storage sliding-window layers' window tensors keep alive, and the attention sums of a cache whose
+        scorer reads them during generation."""
         return sum(layer.allocated_nbytes() for layer in self.layers)
 
     def keep(self, keep: KeepIndices, rows: Sequence[int] | None = None) -> SievedCache:
         """A new cache holding only the given stored entries (without `growth`); the original is left as it is.
 
         Args:
-            keep: `keep[i][layer][kv_head]` indexes the stored entries of `rows[i]` to keep.
+            keep: `keep[i][j][kv_head]` indexes the stored entries of `rows[i]` to keep in the `j`-th
+                full-attention layer (`full_layers[j]`); sliding-window layers keep their window.
             rows: the source sequence of each output row (default: row `i` from row `i`); a
                 sequence may appear several times, so one prefill becomes a batch of evictions.
         """
         rows = list(range(len(keep))) if rows is None else list(rows)
         if len(rows) != len(keep):
             raise ValueError(f"got keep indices for {len(keep)} rows but {len(rows)} source rows")
+        full = self.full_layers
         for i, per_layer in enumerate(keep):
-            if len(per_layer) != len(self.layers):
-                raise ValueError(f"need keep indices for {len(self.layers)} layers in row {i}, got {len(per_layer)}")
+            if len(per_layer) != len(full):
+                raise ValueError(
+                    f"need keep indices for {len(full)} full-attention layers in row {i}, got {len(per_layer)}"
+                )
+        column = {layer_idx: j for j, layer_idx in enumerate(full)}
         layers = [
-            layer.keep([per_layer[layer_idx] for per_layer in keep], rows)
-            for layer_idx, layer in enumerate(self.layers)
+            layer.select(rows) if layer.is_sliding else layer.keep([per_layer[column[idx]] for per_layer in keep], rows)
+            for idx, layer in enumerate(self.layers)
         ]
         return SievedCache(layers)
 
@@ -311,5 +344,6 @@ class SievedCache(Cache):
     def copy(self, rows: Sequence[int] | None = None) -> SievedCache:
         """A deep copy of every entry of the given rows (default: all), e.g. `rows=[0] * n` for n copies of row 0."""
         rows = list(range(self.batch_size)) if rows is None else list(rows)
-        everything = [[[torch.arange(n) for n in layer.stored_lengths(row)] for layer in self.layers] for row in rows]
+        full = [self.layers[idx] for idx in self.full_layers]
+        everything = [[[torch.arange(n) for n in layer.stored_lengths(row)] for layer in full] for row in rows]
         return self.keep(everything, rows)

@@ -47,8 +47,9 @@ class RecentQueries:
 
     def seed(self, prefill: Prefill) -> None:
         """Start from the last queries an observed prefill recorded (positions become cache positions)."""
-        for layer in range(len(prefill.cache.layers)):
-            stats = [observations[layer].stats for observations in prefill.observations]
+        for column, observed in enumerate(prefill.observations[0]):
+            layer = observed.layer_idx
+            stats = [observations[column].stats for observations in prefill.observations]
             self.queries[layer] = torch.stack([s.window_queries for s in stats])
             self.positions[layer] = torch.stack(
                 [
@@ -138,42 +139,42 @@ class BoundedGrowth:
 
     def before_append(self, cache: SievedCache, incoming: int) -> None:
         """Evict every sequence back to the budget if appending `incoming` tokens would pass budget + buffer."""
-        layers = [layer.segments for layer in cache.layers]
+        layers = [cache.layers[idx].segments for idx in cache.full_layers]
         if not layers or any(segments is None for segments in layers):
             return
         heads = sum(segments.heads for segments in layers)
-        limit = self.budget.tokens_per_head(heads, layers[0].entry_bytes()) + self.buffer
+        budget = self.budget.reserve(cache.window_nbytes())  # sliding-window layers' bytes come first
+        limit = budget.tokens_per_head(heads, layers[0].entry_bytes()) + self.buffer
         if max(cache.mean_stored(row) for row in range(cache.batch_size)) + incoming <= limit:
             return
         self.evict(cache)
 
     def evict(self, cache: SievedCache) -> None:
         """Evict every sequence of `cache` back to the budget."""
-        cache.evict(
-            [
-                self.policy.keep_indices(self.observations(cache, row), self.budget, self.protect)
-                for row in range(cache.batch_size)
-            ]
-        )
+        budget = self.budget.reserve(cache.window_nbytes())  # sliding-window layers' bytes come first
+        rows = range(cache.batch_size)
+        cache.evict([self.policy.keep_indices(self.observations(cache, row), budget, self.protect) for row in rows])
 
     def observations(self, cache: SievedCache, row: int) -> list[Observation]:
         """What the scorer reads for one sequence: the entries the cache holds and the recent queries."""
-        layers = self.layers
+        layers = list(self.layers)
         if self.queries is not None:
-            layers = [self.queries.statistics(idx, row, stats) for idx, stats in enumerate(layers)]
+            for idx in cache.full_layers:
+                layers[idx] = self.queries.statistics(idx, row, layers[idx])
         return cached_observations(cache, layers, row, self.rotary)
 
 
 def seed_received(prefill: Prefill) -> None:
     """Store the attention every prefill entry received (`Statistics.received`) in the prefill's cache.
 
-    Padding entries get 0. From then on the sums move and are evicted with their entries.
+    Only full-attention layers are observed (`cache.full_layers`, in order). Padding entries get 0.
+    From then on the sums move and are evicted with their entries.
     """
-    for idx, layer in enumerate(prefill.cache.layers):
-        segments = layer.segments
+    for position, idx in enumerate(prefill.cache.full_layers):
+        segments = prefill.cache.layers[idx].segments
         per_row = []
         for row, observations in enumerate(prefill.observations):
-            received = observations[idx].received("the bounded cache")  # [q_heads, n_real]
+            received = observations[position].received("the bounded cache")  # [q_heads, n_real]
             received = received.unflatten(0, (segments.heads, -1)).transpose(1, 2)  # [heads, n_real, group]
             entries = prefill.entries[row]
             if entries is not None:

@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from .attention import UnhookableModelError, sieve_attention
 from .cache import SievedCache, SievedLayer
 from .segments import PAD_POSITION, entry_bytes
+from .sliding import FULL_ATTENTION
 
 #: Queries at the end of the context that window scorers read by default.
 DEFAULT_WINDOW = 32
@@ -181,14 +182,17 @@ class Observation:
 
 
 def find_rotary(model: torch.nn.Module) -> Rotary:
-    """The model's rotary embedding as `positions -> (cos, sin)`, or a clear error if it has none."""
+    """The model's rotary embedding (of its full-attention layers) as `positions -> (cos, sin)`, or a clear error."""
     module = getattr(model.base_model, "rotary_emb", None)
     if module is None:
         raise ValueError(f"{type(model).__name__} has no rotary embedding (rotary_emb), which the scorer needs")
+    # models whose rope parameters are given per layer type (Gemma-3) embed each type apart
+    per_type = FULL_ATTENTION in (model.config.get_text_config(decoder=True).rope_parameters or {})
+    kind = (FULL_ATTENTION,) if per_type else ()
 
     def rotary(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
-        cos, sin = module(probe, positions[None])
+        cos, sin = module(probe, positions[None], *kind)
         return cos[0].float(), sin[0].float()
 
     return rotary
@@ -337,7 +341,7 @@ def observe_prefill(
     check_input_ids(model, input_ids)
     real = real_tokens(input_ids, attention_mask)
     recorder = PrefillRecorder(needs, real)
-    cache = SievedCache()
+    cache = SievedCache.for_model(model)
     cache.recorder = recorder
     inputs = {"input_ids": input_ids, "past_key_values": cache, "use_cache": True}
     if recorder.padded:
@@ -347,18 +351,18 @@ def observe_prefill(
             last_logits = _last_logits(model, lambda **extra: model(**inputs, **extra).logits, real)
     finally:
         cache.recorder = None
-    num_layers = len(cache.layers)
-    if num_layers == 0 or sorted(recorder.layers) != list(range(num_layers)):
+    num_layers, full = len(cache.layers), cache.full_layers
+    if num_layers == 0 or sorted(recorder.layers) != full:
         raise UnhookableModelError(
-            f"{type(model).__name__}: sieve attention saw {len(recorder.layers)} of {num_layers} cached layers; "
-            "its attention does not go through the transformers attention interface"
+            f"{type(model).__name__}: sieve attention saw {len(recorder.layers)} of {len(full)} full-attention "
+            "layers; its attention does not go through the transformers attention interface"
         )
-    rotary = find_rotary(model) if needs.rotary else None
+    rotary = find_rotary(model) if needs.rotary and full else None
     entries = [row.nonzero().flatten() if recorder.padded else None for row in real]
     observations = [
         [
-            _prefill_observation(layer, row, entries[row], recorder.layers[idx][row], idx, num_layers, rotary)
-            for idx, layer in enumerate(cache.layers)
+            _prefill_observation(cache.layers[i], row, entries[row], recorder.layers[i][row], i, num_layers, rotary)
+            for i in full
         ]
         for row in range(input_ids.shape[0])
     ]
@@ -384,7 +388,8 @@ def _prefill_observation(
 
 
 def layer_statistics(model: torch.nn.Module, needs: Needs = Needs()) -> list[Statistics]:
-    """Per layer, what every observation states (softmax scale, query heads) and the output projection if needed."""
+    """Per layer (sliding-window ones included), what every observation states (softmax scale, query heads)
+    and the output projection if needed."""
     return [
         Statistics(
             scaling=layer.self_attn.scaling,
@@ -398,16 +403,19 @@ def layer_statistics(model: torch.nn.Module, needs: Needs = Needs()) -> list[Sta
 def cached_observations(
     cache: SievedCache, layers: Sequence[Statistics], row: int = 0, rotary: Rotary | None = None
 ) -> list[Observation]:
-    """Observations of the entries a (possibly evicted) cache holds for one sequence, one per layer.
+    """Observations of the entries a (possibly evicted) cache holds for one sequence, one per full-attention layer.
 
     Every kv-head has its own entries, padded to the longest and marked by `valid`; `layers` gives
-    each layer's `Statistics` (`layer_statistics`, recent queries added by the caller). The attention
+    every layer's `Statistics` (`layer_statistics`, recent queries added by the caller). The attention
     each entry received is read from the cache when it keeps it (a bounded cache whose scorer
     accumulates). Nothing is recomputed: a scorer that reads what is neither given nor kept raises a
     clear error.
     """
+    if len(layers) != len(cache.layers):
+        raise ValueError(f"got statistics of {len(layers)} layers for a cache of {len(cache.layers)}")
     observations = []
-    for idx, (layer, stats) in enumerate(zip(cache.layers, layers, strict=True)):
+    for idx in cache.full_layers:
+        layer, stats = cache.layers[idx], layers[idx]
         segments = layer.segments
         view = segments.padded()
         positions = view.slots.positions()[row]

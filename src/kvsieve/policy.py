@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .allocators import ALLOCATORS, Allocator, Uniform, keep_indices
-from .budget import Budget, Rate
+from .budget import Budget, Rate, as_budget
 from .errors import PolicyError
 from .observe import Needs, Observation
 from .scorers import SCORERS, Scorer
@@ -83,11 +83,19 @@ class Policy:
         budget: float | Budget,
         protect_positions: torch.Tensor | None = None,
     ) -> list[list[torch.Tensor]]:
-        """Indices of the observed entries of one sequence to keep, per layer and kv-head.
+        """Indices of the observed entries of one sequence to keep, per observed (full-attention) layer and kv-head.
 
-        `budget` is a `kvsieve.budget` budget, or an eviction rate.
+        `budget` is a `kvsieve.budget` budget, or an eviction rate; a byte budget must already have
+        set aside what sliding-window layers hold (`Budget.reserve`).
         """
-        budget = Rate(budget) if isinstance(budget, (int, float)) else budget
+        budget = as_budget(budget)
+        if not observations:
+            if budget == Rate(0.0):
+                return []
+            raise PolicyError(
+                "nothing to evict: the model has no full-attention layer, and sliding-window layers keep their own "
+                "window (no policy evicts them); use rate=0"
+            )
         protected = [protected_mask(o, self.n_sink, self.sliding_window, protect_positions) for o in observations]
         evictable = [o.valid_mask & ~p for o, p in zip(observations, protected, strict=True)]
         shares = budget.shares(evictable, protected, observations[0].entry_bytes)
