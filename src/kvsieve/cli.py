@@ -19,7 +19,7 @@ from rich.table import Table
 from .allocators import ALLOCATORS
 from .apply import compress
 from .attention import sieve_attention
-from .budget import check_rate
+from .budget import check_count, check_rate
 from .data import essay_texts, sample_documents
 from .data.sample import TaskSample
 from .data.suites import resolve_tasks, task_samples
@@ -27,11 +27,21 @@ from .eval import run_ppl
 from .eval.analysis import accuracy_by_rate
 from .eval.contenders import Contender, parse_contenders
 from .eval.perplexity import Progress as ProgressCallback
+from .eval.streaming import (
+    BUCKET,
+    DOC_TOKENS,
+    ROWS_PER_PASS,
+    SOURCES,
+    STREAM_POLICIES,
+    plan_streaming,
+    streaming_documents,
+)
 from .eval.sweep import check_modes, run_sweep, sample_survival
+from .growth import DEFAULT_BUFFER
 from .models import load_model
 from .observe import observe_prefill
 from .policy import make_policy, split_policies
-from .report import plot_ppl, ppl_markdown, ppl_table
+from .report import plot_ppl, plot_stream_ppl, ppl_markdown, ppl_table, stream_table
 from .report.figures import plot_eviction_map
 from .report.html import MANIFEST_FILE, RESULTS_FILE, accuracy_pivot, write_report
 from .scorers import SCORERS
@@ -92,28 +102,103 @@ def ppl_experiment(
     return report
 
 
+#: `kvsieve ppl` options of the perplexity-degradation protocol and of the streaming protocol, by flag.
+RATE_OPTIONS = ("--rates",)
+STREAM_OPTIONS = ("--max-tokens", "--buffer", "--doc-tokens", "--bucket", "--source", "--rows")
+DEFAULT_RATES = "0.5,0.7,0.8,0.9"
+
+
+def _check_ppl_mode(stream: bool, given: dict[str, object]) -> None:
+    """Clear errors for options of the other protocol, and for --stream without budgets."""
+    chosen = [flag for flag, value in given.items() if value is not None]
+    if "--max-tokens" in chosen and "--rates" in chosen:
+        raise typer.BadParameter(
+            "--max-tokens (streaming budgets) and --rates (eviction rates) belong to different protocols; give one",
+            param_hint="--max-tokens",
+        )
+    if stream and "--max-tokens" not in chosen:
+        raise typer.BadParameter("--stream needs budgets: --max-tokens 512[,1024,...]", param_hint="--max-tokens")
+    wrong = [f for f in chosen if f in (RATE_OPTIONS if stream else STREAM_OPTIONS)]
+    if wrong:
+        hint = "without --stream" if stream else "with --stream"
+        raise typer.BadParameter(f"{', '.join(wrong)} only apply {hint}", param_hint=wrong[0])
+
+
+def stream_experiment(
+    model_name: str | None, policies: str, budgets: list[int], docs: int, seed: int, options: dict[str, Any]
+) -> dict[str, Any]:
+    """Load, build the documents, check the plan (fails fast), run with a progress bar, print the table."""
+    _parsed("--policies", lambda: parse_contenders(policies))
+    _parsed("--max-tokens", lambda: [check_count("--max-tokens", b) for b in budgets])
+    model, tokenizer = load_model(model_name)
+    documents = _parsed(
+        "--doc-tokens", lambda: streaming_documents(tokenizer, docs, options["doc_tokens"], options["source"], seed)
+    )
+    plan = _parsed(
+        "--max-tokens",
+        lambda: plan_streaming(
+            model,
+            documents,
+            policies,
+            budgets,
+            buffer=options["buffer"],
+            bucket=options["bucket"],
+            rows_per_pass=options["rows"],
+        ),
+    )
+    with progress_bar("streaming perplexity") as progress:
+        report = plan.run(model, progress).to_json()
+    console.print(stream_table(report))
+    return report
+
+
 @app.command()
 def ppl(
     policies: Annotated[
-        str, typer.Option(help="comma-separated specs scorer[+allocator][:k=v,...], e.g. snapkv+adaptive:window=16")
-    ] = "importance,random",
-    rates: Annotated[str, typer.Option(help="comma-separated eviction rates in [0, 1)")] = "0.5,0.7,0.8,0.9",
-    docs: Annotated[int, typer.Option(min=1, help="essay documents")] = 8,
-    prefix: Annotated[int, typer.Option(min=64, help="prefilled tokens per document")] = 1024,
-    continuation: Annotated[int, typer.Option(min=1, help="scored tokens per document")] = 512,
+        str | None,
+        typer.Option(
+            help="comma-separated specs scorer[+allocator][:k=v,...], e.g. snapkv+adaptive:window=16 "
+            f"(default: importance,random; with --stream: {','.join(STREAM_POLICIES)}; kvpress:<press> too)"
+        ),
+    ] = None,
+    rates: Annotated[str | None, typer.Option(help=f"eviction rates in [0, 1) (default {DEFAULT_RATES})")] = None,
+    docs: Annotated[int, typer.Option(min=1, help="documents")] = 8,
+    prefix: Annotated[int, typer.Option(min=64, help="prefilled tokens per document (rates)")] = 1024,
+    continuation: Annotated[int, typer.Option(min=1, help="scored tokens per document (rates)")] = 512,
     seed: Annotated[int, typer.Option(help="document choice")] = 0,
     model: Annotated[str | None, typer.Option(help="HF id, model dir or .gguf (default: SmolLM2-135M)")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="write the results here")] = None,
     plot: Annotated[Path | None, typer.Option(help="PNG path (default: next to --json)")] = None,
+    stream: Annotated[
+        bool, typer.Option("--stream", help="streaming perplexity: whole documents, bounded cache")
+    ] = False,
+    max_tokens: Annotated[
+        str | None, typer.Option("--max-tokens", help="--stream budgets: entries per (layer, kv-head), e.g. 512,1024")
+    ] = None,
+    buffer: Annotated[int | None, typer.Option(min=1, help=f"--stream tokens per forward ({DEFAULT_BUFFER})")] = None,
+    doc_tokens: Annotated[int | None, typer.Option(min=2, help=f"--stream tokens per document ({DOC_TOKENS})")] = None,
+    bucket: Annotated[int | None, typer.Option(min=1, help=f"--stream position bucket width ({BUCKET})")] = None,
+    source: Annotated[str | None, typer.Option(help=f"--stream documents: {', '.join(SOURCES)} (essays)")] = None,
+    rows: Annotated[int | None, typer.Option(min=1, help=f"--stream documents per batch ({ROWS_PER_PASS})")] = None,
 ) -> None:
-    """Perplexity change against the full cache per policy and rate (DESIGN §4 protocol)."""
-    report = ppl_experiment(model, split_policies(policies), _split(rates, float), docs, prefix, continuation, seed)
+    """Perplexity against the full cache per policy: rates after a prefill, or --stream at fixed budgets (DESIGN §4)."""
+    given = dict(zip(RATE_OPTIONS, (rates,), strict=True))
+    given |= dict(zip(STREAM_OPTIONS, (max_tokens, buffer, doc_tokens, bucket, source, rows), strict=True))
+    _check_ppl_mode(stream, given)
+    if stream:
+        options = {"buffer": buffer or DEFAULT_BUFFER, "doc_tokens": doc_tokens or DOC_TOKENS}
+        options |= {"bucket": bucket or BUCKET, "source": source or SOURCES[0], "rows": rows or ROWS_PER_PASS}
+        budgets = _split(max_tokens, int)
+        report = stream_experiment(model, policies or ",".join(STREAM_POLICIES), budgets, docs, seed, options)
+    else:
+        rate_list, policy_list = _split(rates or DEFAULT_RATES, float), split_policies(policies or "importance,random")
+        report = ppl_experiment(model, policy_list, rate_list, docs, prefix, continuation, seed)
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2))
         plot = plot or json_path.with_suffix(".png")
     if plot:
-        plot_ppl(report, plot)
+        (plot_stream_ppl if stream else plot_ppl)(report, plot)
         console.print(f"wrote {plot}")
 
 

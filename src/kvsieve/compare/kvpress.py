@@ -17,6 +17,9 @@ Two kvpress behaviours matter for a fair comparison:
   by keys whose attention underflows to zero); the full cache stays allocated, and `kv_bytes`
   says so.
 
+On a stream (streaming perplexity), `PressStream` runs kvpress's `DecodingPress` around a scorer
+press: the cache is compressed to a fixed number of entries per head after every forward.
+
 Install with ``pip install "kvsieve[compare]"``.
 """
 
@@ -35,7 +38,8 @@ from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ..attention import attention_implementation
-from ..budget import check_rate, evicted_count
+from ..budget import check_count, check_rate, evicted_count
+from ..observe import DEFAULT_WINDOW
 
 #: The presses this adapter runs, by kvsieve name.
 KVPRESS_PRESSES: tuple[str, ...] = (
@@ -200,6 +204,20 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [layer.self_attn for layer in decoder.layers]
 
 
+@contextlib.contextmanager
+def _pressing(press: Any, model: torch.nn.Module) -> Iterator[None]:
+    """`press(model)`, then take away the `rotary_emb` kvpress attaches to every attention module."""
+    modules = _attention_modules(model)
+    had_rotary = [hasattr(module, "rotary_emb") for module in modules]
+    try:
+        with press(model):
+            yield
+    finally:
+        for module, had in zip(modules, had_rotary, strict=True):
+            if not had and hasattr(module, "rotary_emb"):
+                del module.rotary_emb
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -314,21 +332,18 @@ def kvpress_compress(
     pressed.compress = recording_compress
     cache = DynamicCache()
     modules = _attention_modules(model)
-    had_rotary = [hasattr(module, "rotary_emb") for module in modules]  # kvpress attaches one to each layer
     implementation = "eager" if press in EAGER_PRESSES else KVPRESS_ATTENTION
     try:
         with attention_implementation(model, implementation):
             _synchronize(context_ids.device)
             start = time.perf_counter()
-            with pressed(model):
+            with _pressing(pressed, model):
                 model.model(input_ids=context_ids, past_key_values=cache)
             _synchronize(context_ids.device)
             seconds = time.perf_counter() - start - bookkeeping[0]
     finally:
-        for module, had in zip(modules, had_rotary, strict=True):
+        for module in modules:
             module.masked_key_indices = None  # kept in the PressedCache, applied only inside decoding()
-            if not had and hasattr(module, "rotary_emb"):
-                del module.rotary_emb
     if len(visible) != len(cache.layers):
         raise RuntimeError(f"the press compressed {len(visible)} of {len(cache.layers)} layers")
     for layer_idx, layer in enumerate(cache.layers):
@@ -343,3 +358,87 @@ def kvpress_compress(
         masked_key_indices=masked,
         max_feed=modules[0].head_dim // 2 if masked else None,
     )
+
+
+# ---------------------------------------------------------------- streaming: kvpress's DecodingPress
+
+#: Scorer presses that run inside kvpress's `DecodingPress` on a stream (`make_decoding_press`).
+STREAMING_PRESSES: tuple[str, ...] = ("random", "knorm", "snapkv", "streaming_llm", "tova")
+
+
+def make_decoding_press(name: str, target_size: int, chunk: int, window: int = DEFAULT_WINDOW) -> Any:
+    """kvpress's `DecodingPress` around the scorer press `name`, compressing to `target_size` after every forward.
+
+    `compression_interval=1`: kvpress counts every forward after the first as one decoding step,
+    whatever its length, so each forward of `chunk` tokens is followed by a compression of every
+    layer back to `target_size` entries per head. SnapKV reads the last `window` queries of the
+    chunk (kvsieve's snapkv window by default; kvpress requires a chunk longer than it).
+    """
+    if name not in STREAMING_PRESSES:
+        raise ValueError(
+            f"kvpress press {name!r} is not run on streams; streaming presses: {', '.join(STREAMING_PRESSES)}"
+        )
+    check_count("target_size", target_size)
+    check_count("chunk", chunk)
+    kvpress = import_kvpress()
+    if name == "snapkv":
+        if chunk <= window:
+            raise ValueError(
+                f"kvpress's snapkv scores the last {window} queries of a chunk; use chunks longer than that"
+            )
+        base = kvpress.SnapKVPress(compression_ratio=0.0, window_size=window)
+    else:
+        base = make_press(name, 0.0)
+    return kvpress.DecodingPress(base_press=base, compression_interval=1, target_size=target_size)
+
+
+class PressStream:
+    """A stream of chunks through kvpress: a `DynamicCache` that `DecodingPress` holds at `target_size` per head.
+
+    kvpress treats only the first forward as a prefill (`is_prefilling`), so the first chunk is kept
+    whole; after every later forward each layer is compressed back to `target_size` entries per head
+    right after its attention. A chunk therefore attends to at most `target_size + chunk` entries,
+    as in a kvsieve bounded cache with `buffer=chunk`, but between forwards kvpress holds
+    `target_size` where kvsieve holds up to `budget + buffer` (it evicts before the next forward).
+    The pruned cache's length is its stored size, so every forward passes the true `position_ids`.
+    Use it inside `running()`; a seeded generator makes `random` reproducible.
+    """
+
+    def __init__(self, model: torch.nn.Module, press: str, target_size: int, chunk: int, seed: int = 0) -> None:
+        self.model = model
+        self.press = make_decoding_press(press, target_size, chunk)
+        self.cache = DynamicCache()
+        self.seed = seed
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[PressStream]:
+        """The model on SDPA under the press, with the global RNG (kvpress's random press) seeded and restored."""
+        with (
+            torch.random.fork_rng(devices=[]),
+            attention_implementation(self.model, KVPRESS_ATTENTION),
+            _pressing(self.press, self.model),
+        ):
+            torch.manual_seed(self.seed)
+            yield self
+
+    @torch.no_grad()
+    def forward(self, chunk_ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Logits `[rows, c, vocab]` of a chunk whose first token sits at position `start`."""
+        positions = torch.arange(start, start + chunk_ids.shape[1], device=chunk_ids.device)
+        positions = positions.expand(chunk_ids.shape[0], -1)
+        out = self.model(input_ids=chunk_ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
+        return out.logits
+
+    def nbytes(self) -> int:
+        """Bytes of the key and value tensors the cache holds (all rows)."""
+        return _cache_nbytes(self.cache)
+
+    def allocated_nbytes(self) -> int:
+        """Bytes of the storage behind those tensors (all rows)."""
+        tensors = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
+        return sum(t.untyped_storage().nbytes() for t in tensors)
+
+    def mean_stored(self) -> float:
+        """Entries per (layer, kv-head) of one sequence, on average (kvpress keeps the same count in every head)."""
+        lengths = [int(layer.keys.shape[-2]) for layer in self.cache.layers]
+        return sum(lengths) / len(lengths) if lengths else 0.0

@@ -1,22 +1,26 @@
-"""Evaluation: perplexity degradation and task sweeps (DESIGN §4), routing diagnostics, analysis."""
+"""Evaluation: perplexity degradation, streaming perplexity and task sweeps (DESIGN §4), routing diagnostics."""
 
 from .answers import judge, string_match
 from .perplexity import PplResult, run_ppl
 from .routing import RoutingDiagnostics, diagnose, global_eviction_ratio, survival_from_cache
 from .stats import bootstrap_delta_ci, pooled_delta_pct
+from .streaming import StreamResult, run_streaming, streaming_documents
 from .sweep import MODES, run_sweep
 
 __all__ = [
     "MODES",
     "PplResult",
     "RoutingDiagnostics",
+    "StreamResult",
     "bootstrap_delta_ci",
     "diagnose",
     "global_eviction_ratio",
     "judge",
     "pooled_delta_pct",
     "run_ppl",
+    "run_streaming",
     "run_sweep",
+    "streaming_documents",
     "string_match",
     "survival_from_cache",
 ]

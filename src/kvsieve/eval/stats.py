@@ -32,3 +32,12 @@ def bootstrap_delta_ci(
     deltas = 100.0 * (np.exp(diff) - 1.0)
     lo, hi = np.percentile(deltas, [2.5, 97.5])
     return float(lo), float(hi)
+
+
+def bootstrap_ppl_ci(nll: np.ndarray, tokens: np.ndarray, n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of `pooled_ppl`, resampling documents with replacement."""
+    nll, tokens = (np.asarray(a, dtype=np.float64) for a in (nll, tokens))
+    picks = np.random.default_rng(seed).integers(0, len(nll), size=(n_boot, len(nll)))
+    ppls = np.exp(nll[picks].sum(1) / tokens[picks].sum(1))
+    lo, hi = np.percentile(ppls, [2.5, 97.5])
+    return float(lo), float(hi)

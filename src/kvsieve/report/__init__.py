@@ -2,8 +2,8 @@
 
 from .figures import plot_accuracy_vs_rate, plot_consensus_by_depth, plot_eviction_map, plot_hallucination_vs_ger
 from .html import write_report
-from .plots import plot_ppl
-from .tables import ppl_markdown, ppl_table
+from .plots import plot_ppl, plot_stream_ppl
+from .tables import ppl_markdown, ppl_table, stream_markdown, stream_table
 
 __all__ = [
     "plot_accuracy_vs_rate",
@@ -11,7 +11,10 @@ __all__ = [
     "plot_eviction_map",
     "plot_hallucination_vs_ger",
     "plot_ppl",
+    "plot_stream_ppl",
     "ppl_markdown",
     "ppl_table",
+    "stream_markdown",
+    "stream_table",
     "write_report",
 ]

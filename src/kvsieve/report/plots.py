@@ -1,4 +1,4 @@
-"""Figures: perplexity change against eviction rate."""
+"""Figures: perplexity change against eviction rate; streaming perplexity along the document."""
 
 from __future__ import annotations
 
@@ -27,6 +27,43 @@ def plot_ppl(report: dict[str, Any], path: str | Path, title: str | None = None)
     else:
         ax.legend()
     fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+def plot_stream_ppl(report: dict[str, Any], path: str | Path, title: str | None = None) -> Path:
+    """PPL per position bucket, one line per contender, one panel per budget (the full cache in every panel).
+
+    A contender keeps its colour in every panel; kvpress's are dashed; the dotted line is where the
+    full cache stops (the model's positions).
+    """
+    rows = report["rows"]
+    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
+    names = [name for name in dict.fromkeys(r["policy"] for r in rows) if name != "full"]
+    colours = {name: f"C{i % 10}" for i, name in enumerate(names)} | {"full": "black"}
+    fig = Figure(figsize=(3.6 * len(budgets) + 1.8, 3.8), dpi=120)
+    axes = fig.subplots(1, len(budgets), sharey=True, squeeze=False)[0]
+    handles: dict[str, Any] = {}
+    for ax, budget in zip(axes, budgets, strict=True):
+        for r in (r for r in rows if r["budget"] in (None, budget)):
+            points = [((b["start"] + b["end"]) / 2048, b["ppl"]) for b in r["buckets"] if b["ppl"] is not None]
+            style = {"linewidth": 2} if r["budget"] is None else {"marker": "o", "markersize": 3}
+            (line,) = ax.plot(
+                *zip(*points, strict=True),
+                color=colours[r["policy"]],
+                linestyle="--" if r["library"] == "kvpress" else "-",
+                **style,
+            )
+            handles.setdefault("full cache" if r["budget"] is None else r["policy"], line)
+        ax.axvline(report["context_limit"] / 1024, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(f"budget {budget}")
+        ax.set_xlabel("position (k tokens, bucket middle)")
+    axes[0].set_ylabel("perplexity")
+    fig.legend(list(handles.values()), list(handles), fontsize=7, loc="center right")
+    fig.suptitle(title or f"Streaming perplexity: {report['docs']} document(s) of {report['doc_tokens']} tokens")
+    fig.tight_layout(rect=(0, 0, 1 - 1.6 / fig.get_figwidth(), 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

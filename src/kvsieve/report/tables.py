@@ -81,3 +81,67 @@ def ppl_markdown(report: dict[str, Any], by_policy: bool | None = None) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(line) + " |" for line in body]
     return "\n".join(lines) + f"\n\n{_caption(report)}\n"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def _change(versus: dict[str, Any] | None) -> str:
+    if versus is None:
+        return "-"
+    return f"{versus['delta_pct']:+.1f}% [{versus['ci95'][0]:+.1f}, {versus['ci95'][1]:+.1f}]"
+
+
+def _bucket_label(bucket: dict[str, Any]) -> str:
+    return f"{bucket['start'] / 1024:g}-{bucket['end'] / 1024:g}k"
+
+
+def _stream_cells(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """One line per (contender, budget): PPL, against the full cache, per bucket, bytes, entries, time."""
+    rows = report["rows"]
+    header = ["policy", "budget", "PPL [95% CI]", "vs full", *(_bucket_label(b) for b in rows[0]["buckets"])]
+    header += ["KV MiB", "alloc MiB", "entries/head", "ms/token"]
+    body = []
+    for r in rows:
+        line = [
+            r["policy"],
+            "-" if r["budget"] is None else str(r["budget"]),
+            f"{r['ppl']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]",
+            _change(r["vs_full"]),
+            *("-" if b["ppl"] is None else f"{b['ppl']:.2f}" for b in r["buckets"]),
+            _mib(r["peak_kv_bytes"]),
+            _mib(r["peak_allocated_bytes"]),
+            f"{r['peak_entries_per_head']:.0f}",
+            f"{r['ms_per_token']:.2f}",
+        ]
+        body.append(line)
+    return header, body
+
+
+def _stream_caption(report: dict[str, Any]) -> str:
+    return (
+        f"{report['docs']} documents of {report['doc_tokens']} tokens, fed {report['buffer']} tokens per forward; "
+        "PPL pooled over the tokens after the first `budget` (the full cache: every token it scored), "
+        "bootstrap 95% CI over documents; "
+        f"vs full = PPL change against the full cache on the same tokens, positions budget..{report['context_limit']} "
+        "(the full cache is fed up to the document's end or the model's max_position_embeddings, if sooner); "
+        f"position buckets of {report['bucket']} tokens; KV = peak bytes of keys and values per sequence"
+    )
+
+
+def stream_table(report: dict[str, Any]) -> Table:
+    """A rich table of `StreamResult.to_json()`."""
+    header, body = _stream_cells(report)
+    table = Table(*header, title="Streaming perplexity", caption=_stream_caption(report))
+    for line in body:
+        table.add_row(*line)
+    return table
+
+
+def stream_markdown(report: dict[str, Any]) -> str:
+    """The same table in Markdown."""
+    header, body = _stream_cells(report)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(line) + " |" for line in body]
+    return "\n".join(lines) + f"\n\n{_stream_caption(report)}\n"
