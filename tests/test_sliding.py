@@ -231,3 +231,16 @@ def test_a_cache_not_built_for_the_model_is_refused_once_evicted():
     refused = pytest.raises(kvsieve.UnsupportedAttentionError, match=r"SievedCache.for_model\(model\)")
     with refused, kvsieve.sieve_attention(model):
         model(ids[:, 40:41], past_key_values=cache)
+
+
+@torch.no_grad()
+def test_a_bounded_cache_built_empty_holds_its_budget_on_a_stream():
+    model, ids = tiny_gemma3(), _ids(10, 160)
+    cache = kvsieve.bounded_cache(model, "knorm", max_tokens=24, buffer=8, sliding_window=4)
+    assert [type(layer).__name__ for layer in cache.layers] == ["SlidingLayer", "SievedLayer"] * 2
+    with kvsieve.sieve_attention(model):
+        for start in range(0, 160, 8):
+            model(ids[:, start : start + 8], past_key_values=cache)
+            assert cache.mean_stored() <= 24 + 8
+            assert cache.stored_lengths()[0] == [min(start + 8, WINDOW - 1)] * 2
+    assert cache.get_seq_length() == 160
