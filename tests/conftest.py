@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from transformers import (
     MistralForCausalLM,
     PreTrainedModel,
 )
+
+from tokenizer import VOCAB_SIZE, tiny_tokenizer
 
 REFERENCE_ATTENTION = "kvsieve_test_masked_reference"
 #: Sliding window of the tiny sliding-window models.
@@ -79,6 +82,15 @@ def tiny_mistral(seed: int = 0) -> MistralForCausalLM:
         attn_implementation="sdpa",
     )
     return MistralForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random model and its tokenizer saved to a folder, as the command line loads them."""
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tiny_llama(vocab_size=VOCAB_SIZE).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture

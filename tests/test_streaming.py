@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 import kvsieve
-from conftest import tiny_llama
 from kvsieve.cli import app
 from kvsieve.compare.kvpress import PressStream
 from kvsieve.eval.streaming import (
@@ -28,7 +27,7 @@ from kvsieve.eval.streaming import (
     streaming_documents,
 )
 from kvsieve.report import plot_stream_ppl, stream_markdown
-from tokenizer import VOCAB_SIZE, tiny_tokenizer
+from tokenizer import tiny_tokenizer
 
 runner = CliRunner(env={"COLUMNS": "250"})  # rich must not wrap an error message inside its box
 ENTRY_BYTES = 2 * 16 * 4  # tiny_llama: key + value of head_dim 16 in float32
@@ -184,14 +183,6 @@ def test_documents_have_the_asked_length(tmp_path):
     run = StreamRun("x", "kvsieve", 2, [np.r_[math.nan, np.ones(7)]], tokens=8)
     report = StreamResult(["a"], 8, 2, 4, 8, [run]).to_json()
     assert plot_stream_ppl(report, tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tiny_llama(vocab_size=VOCAB_SIZE).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
 
 
 def test_cli_errors():

@@ -7,19 +7,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from conftest import tiny_llama
 from kvsieve.cli import app
-from tokenizer import VOCAB_SIZE, tiny_tokenizer
 
 runner = CliRunner(env={"COLUMNS": "200"})  # rich must not wrap an error message inside its box
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tiny_llama(vocab_size=VOCAB_SIZE).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
 
 
 def sweep_args(model_dir, out, samples="2") -> list[str]:
