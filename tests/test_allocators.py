@@ -121,7 +121,7 @@ def test_calibrations():
 
 def test_registry_names():
     assert list(ALLOCATORS) == ["uniform", "pyramid", "adaptive", "global"]
-    assert Global().calibration == "mass" and Adaptive().safeguard == 0.2 and Pyramid().beta == 20.0
+    assert Global().calibration == "auto" and Adaptive().safeguard == 0.2 and Pyramid().beta == 20.0
 
 
 GQA = {"layers": 3, "heads": 6, "kv_heads": 3}
@@ -198,3 +198,14 @@ def test_ragged_cache_really_holds_only_the_kept_entries(spec):
     assert cache.nbytes() == kept_entries * entry_bytes
     assert cache.allocated_nbytes() == _allocated_bytes(cache)
     assert _allocated_bytes(cache) <= 1.02 * cache.nbytes() + (9 * BLOCK + 3) * entry_bytes
+
+
+def test_global_auto_calibration_pools_calibrated_scores_raw():
+    """`auto` is `mass` for per-head scores and `raw` for scores on one scale (`Scorer.calibrated`)."""
+    scores = [torch.tensor([[10.0, 9.9, 9.8], [3.0, 2.9, 0.1]])]  # raw: head 0 outranks; mass: head 1 is peaked
+    evictable = [torch.ones(2, 3, dtype=torch.bool)]
+    shares = [[2, 2]]
+    assert Global().counts(scores, evictable, shares, calibrated=True) == [[3, 1]]
+    assert Global(calibration="raw").counts(scores, evictable, shares) == [[3, 1]]
+    assert Global().counts(scores, evictable, shares) == Global(calibration="mass").counts(scores, evictable, shares)
+    assert Global().counts(scores, evictable, shares) == [[2, 2]]

@@ -8,7 +8,7 @@ import torch
 import kvsieve
 from kvsieve.allocators import ALLOCATORS
 from kvsieve.apply import Eviction, evictions
-from kvsieve.scorers import SCORERS
+from specs import SCORER_SPECS
 
 LENGTHS = (120, 83, 101)
 GEN = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
@@ -43,7 +43,7 @@ def _continue(model, cache, tokens: torch.Tensor, mask: torch.Tensor | None, len
 
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize(
-    "spec", [*SCORERS, *(f"snapkv+{a}" for a in ALLOCATORS), "importance+global", "expected+adaptive"]
+    "spec", [*SCORER_SPECS, *(f"snapkv+{a}" for a in ALLOCATORS), "importance+global", "expected+adaptive"]
 )
 def test_each_row_equals_compressing_that_sequence_alone(model, prompts, side, spec):
     batch, mask, offsets = _padded(prompts, side)

@@ -12,11 +12,11 @@ import kvsieve
 from conftest import tiny_llama
 from kvsieve.allocators import ALLOCATORS
 from kvsieve.budget import evicted_count
-from kvsieve.scorers import SCORERS
 from kvsieve.segments import BLOCK, PAD_POSITION, Segments
+from specs import SCORER_SPECS
 
 
-@pytest.mark.parametrize("policy", list(SCORERS))
+@pytest.mark.parametrize("policy", SCORER_SPECS)
 @pytest.mark.parametrize("rate", [0.0, 0.3, 0.8])
 def test_kept_counts_and_protection(model, ids, policy, rate):
     n_sink, window = 4, 16

@@ -212,6 +212,7 @@ class LinearKeyScorer(torch.nn.Module):
     """A learned scorer: a linear function of each key (a stand-in for retention gates)."""
 
     name: ClassVar[str] = "linear-key"
+    calibrated: ClassVar[bool] = False
     needs: ClassVar[kvsieve.Needs] = kvsieve.Needs()
     head_dim: int = 16
 

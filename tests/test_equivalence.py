@@ -9,7 +9,7 @@ from transformers import DynamicCache
 import kvsieve
 from conftest import tiny_llama
 from kvsieve.allocators import ALLOCATORS
-from kvsieve.scorers import SCORERS
+from specs import SCORER_SPECS
 
 GEN = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
 
@@ -46,7 +46,7 @@ def test_rate_zero_generate_matches_plain_transformers(model, ids):
 
 
 @pytest.mark.parametrize("allocator", list(ALLOCATORS))
-@pytest.mark.parametrize("policy", list(SCORERS))
+@pytest.mark.parametrize("policy", SCORER_SPECS)
 @torch.no_grad()
 def test_evicted_cache_equals_masked_full_cache(model, ids, masked_reference, policy, allocator):
     """The central check, every scorer x allocator: physical eviction == the full cache masking the dropped entries."""

@@ -47,7 +47,7 @@ def test_bad_policy_parameters():
         kvsieve.make_policy("snapkv+pyramid:beta=0.5")
     with pytest.raises(PolicyError, match="safeguard must be in"):
         kvsieve.make_policy("snapkv", budget="adaptive", safeguard=1.5)
-    with pytest.raises(PolicyError, match="unknown calibration 'rank'; valid: mass, zscore"):
+    with pytest.raises(PolicyError, match="unknown calibration 'rank'; valid: auto, mass, zscore, raw"):
         kvsieve.make_policy("snapkv+global:calibration=rank")
     with pytest.raises(PolicyError, match="kernel must be an odd number"):
         kvsieve.make_policy("snapkv:kernel=4")

@@ -25,6 +25,7 @@ EVERY_SCORER = [
     "h2o",
     "importance+global",
     "vatp+adaptive",
+    "trimkv+global:gates=untrained",
 ]
 
 

@@ -15,8 +15,8 @@ from transformers import DynamicCache
 import kvsieve
 from conftest import tiny_llama
 from kvsieve.observe import Statistics
-from kvsieve.scorers import SCORERS
-from kvsieve.scorers.expected import unrotate
+from kvsieve.rotary import unrotate
+from specs import SCORER_SPECS
 
 N = 64  # context length of every reference prefill
 SHARPEN = 6.0  # q_proj and k_proj weights are scaled by this: random init gives near-uniform attention
@@ -263,12 +263,12 @@ def group4_observations() -> list[kvsieve.Observation]:
     """Observations of a group-4 model (8 heads, 2 kv-heads; 6 heads would not divide hidden_size 64)."""
     model = tiny_llama(heads=8, kv_heads=2)
     ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(1))
-    needs = kvsieve.Needs(window=32, accumulated=True, output_projection=True, rotary=True)
+    needs = kvsieve.Needs(window=32, accumulated=True, output_projection=True, rotary=True, gates=("untrained",))
     return kvsieve.observe_prefill(model, ids, needs).observations[0]
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name", sorted(SCORERS))
+@pytest.mark.parametrize("name", sorted(SCORER_SPECS))
 def test_every_scorer_finite_with_shape(name, group4_observations):
     """Every registered scorer gives finite `[kv_heads, n]` scores on a group-4 model observed with every need."""
     scorer = kvsieve.make_policy(name).scorer

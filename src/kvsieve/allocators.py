@@ -22,10 +22,15 @@ class Allocator(Protocol):
     name: ClassVar[str]
 
     def counts(
-        self, scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor], shares: Sequence[Sequence[int]]
+        self,
+        scores: Sequence[torch.Tensor],
+        evictable: Sequence[torch.Tensor],
+        shares: Sequence[Sequence[int]],
+        calibrated: bool = False,
     ) -> list[list[int]]:
         """Keep counts of evictable entries per (layer, kv-head), from scores and masks `[kv_heads, n]` and the
-        uniform shares (counts per head that sum to the budget)."""
+        uniform shares (counts per head that sum to the budget). `calibrated`: the scores of all layers and
+        heads already share one scale (`Scorer.calibrated`)."""
         ...
 
 
@@ -98,7 +103,13 @@ def zscore(scores: torch.Tensor) -> torch.Tensor:
     return (scores - scores.mean()) / std if std > 0 else torch.zeros_like(scores)
 
 
-CALIBRATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"mass": mass_share, "zscore": zscore}
+CALIBRATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "mass": mass_share,
+    "zscore": zscore,
+    "raw": lambda scores: scores.float(),
+}
+#: Global's default: `raw` for scorers whose scores share one scale (`Scorer.calibrated`), else `mass`.
+AUTO_CALIBRATION = "auto"
 
 
 def _evictable(scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -130,7 +141,11 @@ class Uniform:
     name: ClassVar[str] = "uniform"
 
     def counts(
-        self, scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor], shares: Sequence[Sequence[int]]
+        self,
+        scores: Sequence[torch.Tensor],
+        evictable: Sequence[torch.Tensor],
+        shares: Sequence[Sequence[int]],
+        calibrated: bool = False,
     ) -> list[list[int]]:
         return [list(layer) for layer in shares]
 
@@ -151,7 +166,11 @@ class Pyramid:
             raise ValueError(f"beta must be >= 1, got {self.beta}")
 
     def counts(
-        self, scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor], shares: Sequence[Sequence[int]]
+        self,
+        scores: Sequence[torch.Tensor],
+        evictable: Sequence[torch.Tensor],
+        shares: Sequence[Sequence[int]],
+        calibrated: bool = False,
     ) -> list[list[int]]:
         heads = [s.shape[0] for s in scores]
         total = sum(map(sum, shares))
@@ -176,7 +195,11 @@ class Adaptive:
         _check_fraction("safeguard", self.safeguard)
 
     def counts(
-        self, scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor], shares: Sequence[Sequence[int]]
+        self,
+        scores: Sequence[torch.Tensor],
+        evictable: Sequence[torch.Tensor],
+        shares: Sequence[Sequence[int]],
+        calibrated: bool = False,
     ) -> list[list[int]]:
         counts = []
         for layer_scores, layer_shares in zip(_evictable(scores, evictable), shares, strict=True):
@@ -190,25 +213,34 @@ class Global:
     """One pool for all layers and kv-heads: entries compete on calibrated scores.
 
     Raw scores of different layers are not on one scale, so each head's evictable scores are
-    calibrated first: `mass` (default) turns them into the head's share of its score mass
+    calibrated first: `mass` (the default, unless the scorer's scores already share one scale:
+    then `raw`) turns them into the head's share of its score mass
     (for attention scores: the share of attention the entry holds; the pool then keeps the
     entries that retain the most attention summed over heads); `zscore` standardises them
     per head. Each head keeps at least `safeguard` of its uniform share.
     """
 
     name: ClassVar[str] = "global"
-    calibration: str = "mass"
+    calibration: str = AUTO_CALIBRATION
     safeguard: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.calibration not in CALIBRATIONS:
-            raise ValueError(f"unknown calibration {self.calibration!r}; valid: {', '.join(CALIBRATIONS)}")
+        if self.calibration != AUTO_CALIBRATION and self.calibration not in CALIBRATIONS:
+            valid = ", ".join([AUTO_CALIBRATION, *CALIBRATIONS])
+            raise ValueError(f"unknown calibration {self.calibration!r}; valid: {valid}")
         _check_fraction("safeguard", self.safeguard)
 
     def counts(
-        self, scores: Sequence[torch.Tensor], evictable: Sequence[torch.Tensor], shares: Sequence[Sequence[int]]
+        self,
+        scores: Sequence[torch.Tensor],
+        evictable: Sequence[torch.Tensor],
+        shares: Sequence[Sequence[int]],
+        calibrated: bool = False,
     ) -> list[list[int]]:
-        calibrate = CALIBRATIONS[self.calibration]
+        name = self.calibration
+        if name == AUTO_CALIBRATION:
+            name = "raw" if calibrated else "mass"
+        calibrate = CALIBRATIONS[name]
         flat_shares = [share for layer in shares for share in layer]
         flat = [calibrate(s) for layer_scores in _evictable(scores, evictable) for s in layer_scores]
         floors = [math.floor(self.safeguard * share) for share in flat_shares]

@@ -38,7 +38,10 @@ from .eval.streaming import (
 )
 from .eval.sweep import check_modes, run_sweep, sample_survival
 from .growth import DEFAULT_BUFFER
-from .models import load_model
+from .learn.data import training_data
+from .learn.losses import CAPACITIES
+from .learn.train import TrainConfig, train_gates
+from .models import DEFAULT_MODEL, load_model
 from .observe import observe_prefill
 from .policy import make_policy, split_policies
 from .report import plot_ppl, plot_stream_ppl, ppl_markdown, ppl_table, stream_table
@@ -436,3 +439,28 @@ def eviction_map(
 
 if __name__ == "__main__":
     app()
+
+
+@app.command(name="train-gates")
+def train_gates_command(
+    out: Annotated[Path, typer.Option(help="checkpoint folder (a rerun with the same settings resumes there)")],
+    model: Annotated[str, typer.Option(help=MODEL_HELP)] = DEFAULT_MODEL,
+    budget: Annotated[int, typer.Option(min=1, help="M: entries per (layer, kv-head)")] = TrainConfig.budget,
+    steps: Annotated[int, typer.Option(min=1, help="optimiser steps, one sequence each")] = TrainConfig.steps,
+    seq_len: Annotated[int, typer.Option(min=2, help="tokens per sequence")] = TrainConfig.seq_len,
+    lam: Annotated[float, typer.Option(min=0.0, help="weight of the capacity hinge")] = TrainConfig.lam,
+    capacity: Annotated[str, typer.Option(help=f"one of {', '.join(CAPACITIES)}")] = TrainConfig.capacity,
+    ntp: Annotated[bool, typer.Option(help="average the next-token loss into the KL")] = TrainConfig.ntp,
+    lr: Annotated[float, typer.Option(min=0.0)] = TrainConfig.lr,
+    width: Annotated[int, typer.Option(min=1, help="hidden units per (layer, kv-head)")] = TrainConfig.width,
+    per_task: Annotated[int, typer.Option(min=0, help="training samples per task")] = TrainConfig.per_task,
+    seed: Annotated[int, typer.Option()] = TrainConfig.seed,
+) -> None:
+    """Train retention gates (TrimKV / DBTrimKV) for a model on this machine; the model itself is not changed."""
+    settings = {"budget": budget, "steps": steps, "seq_len": seq_len, "lam": lam, "capacity": capacity, "ntp": ntp}
+    config = _parsed("train-gates", lambda: TrainConfig(**settings, lr=lr, width=width, per_task=per_task, seed=seed))
+    name = DEFAULT_MODEL if model == "default" else model
+    lm, tokenizer = load_model(name)
+    data = _parsed("--seq-len", lambda: training_data(tokenizer, config.seq_len, config.per_task, config.seed))
+    gates, record = train_gates(lm, tokenizer, config, out, name, data=data)
+    console.print(f"trained {len(gates.shape.layers)} layers of gates in {record.seconds:.0f} s; wrote {out}")

@@ -30,8 +30,9 @@ import torch
 
 from .budget import SizeBudget, check_count
 from .cache import SievedCache
-from .observe import Observation, Prefill, Rotary, Statistics, cached_observations, find_rotary, layer_statistics
+from .observe import Observation, Prefill, Statistics, cached_observations, layer_statistics
 from .policy import Policy
+from .rotary import Rotary, find_rotary
 
 #: Tokens a bounded cache may grow past its budget before it is evicted back to it.
 DEFAULT_BUFFER = 64

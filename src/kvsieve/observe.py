@@ -9,7 +9,7 @@ its own entries, padded to the longest head and marked by `valid`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,14 +17,13 @@ from transformers import PreTrainedModel
 
 from .attention import UnhookableModelError, sieve_attention
 from .cache import SievedCache, SievedLayer
+from .learn.checkpoint import load_gates
+from .learn.gates import RetentionGates
+from .rotary import Rotary, find_rotary
 from .segments import PAD_POSITION, entry_bytes
-from .sliding import FULL_ATTENTION
 
 #: Queries at the end of the context that window scorers read by default.
 DEFAULT_WINDOW = 32
-
-#: `positions [n] -> (cos, sin)`, each `[n, head_dim]`: the model's rotary embedding.
-Rotary = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -37,12 +36,14 @@ class Needs:
             (costs a materialised softmax instead of fused SDPA during the prefill).
         output_projection: whether it reads the attention output projection `W_o`.
         rotary: whether it reads the model's rotary embedding.
+        gates: the retention-gate checkpoints it reads (`kvsieve.learn.checkpoint.load_gates` sources).
     """
 
     window: int = 0
     accumulated: bool = False
     output_projection: bool = False
     rotary: bool = False
+    gates: tuple[str, ...] = ()
 
     def __or__(self, other: Needs) -> Needs:
         return Needs(
@@ -50,6 +51,7 @@ class Needs:
             accumulated=self.accumulated or other.accumulated,
             output_projection=self.output_projection or other.output_projection,
             rotary=self.rotary or other.rotary,
+            gates=tuple(sorted({*self.gates, *other.gates})),
         )
 
 
@@ -64,6 +66,7 @@ class Statistics:
         window_positions: `[w]` their token positions.
         received: `[q_heads, n]` attention each entry received, summed over all queries (None if not needed).
         output_weight: the layer's output projection `[hidden, q_heads * head_dim]` (None if not needed).
+        gates: the retention gates the scorers read, by source (`Needs.gates`).
     """
 
     scaling: float
@@ -72,6 +75,7 @@ class Statistics:
     window_positions: torch.Tensor | None = None
     received: torch.Tensor | None = None
     output_weight: torch.Tensor | None = None
+    gates: Mapping[str, RetentionGates] = dataclasses.field(default_factory=dict)
 
 
 def causal_attention(
@@ -181,21 +185,9 @@ class Observation:
         return per_query_head.unflatten(0, (self.num_kv_heads, -1)).sum(dim=1)
 
 
-def find_rotary(model: torch.nn.Module) -> Rotary:
-    """The model's rotary embedding (of its full-attention layers) as `positions -> (cos, sin)`, or a clear error."""
-    module = getattr(model.base_model, "rotary_emb", None)
-    if module is None:
-        raise ValueError(f"{type(model).__name__} has no rotary embedding (rotary_emb), which the scorer needs")
-    # models whose rope parameters are given per layer type (Gemma-3) embed each type apart
-    per_type = FULL_ATTENTION in (model.config.get_text_config(decoder=True).rope_parameters or {})
-    kind = (FULL_ATTENTION,) if per_type else ()
-
-    def rotary(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
-        cos, sin = module(probe, positions[None], *kind)
-        return cos[0].float(), sin[0].float()
-
-    return rotary
+def needed_gates(model: torch.nn.Module, needs: Needs) -> dict[str, RetentionGates]:
+    """The retention gates `needs` names, loaded and checked against `model`."""
+    return {source: load_gates(source, model) for source in needs.gates}
 
 
 def output_projection(module: torch.nn.Module) -> torch.Tensor:
@@ -214,8 +206,9 @@ class PrefillRecorder:
         real: `[rows, n]` bool, the real (non-padding) tokens of every sequence.
     """
 
-    def __init__(self, needs: Needs, real: torch.Tensor) -> None:
+    def __init__(self, needs: Needs, real: torch.Tensor, gates: Mapping[str, RetentionGates] | None = None) -> None:
         self.needs = needs
+        self.gates = gates or {}
         self.accumulate = needs.accumulated
         self.real = real
         self.padded = not bool(real.all())
@@ -254,6 +247,7 @@ class PrefillRecorder:
                     window_positions=window_positions,
                     received=row_received,
                     output_weight=weight,
+                    gates=self.gates,
                 )
             )
         self.layers[layer_idx] = rows
@@ -341,7 +335,7 @@ def observe_prefill(
         raise ValueError(f"the observation window must be >= 0, got {needs.window}")
     check_input_ids(model, input_ids)
     real = real_tokens(input_ids, attention_mask)
-    recorder = PrefillRecorder(needs, real)
+    recorder = PrefillRecorder(needs, real, needed_gates(model, needs))
     cache = SievedCache.for_model(model)
     cache.recorder = recorder
     inputs = {"input_ids": input_ids, "past_key_values": cache, "use_cache": True}
@@ -390,12 +384,14 @@ def _prefill_observation(
 
 def layer_statistics(model: torch.nn.Module, needs: Needs = Needs()) -> list[Statistics]:
     """Per layer (sliding-window ones included), what every observation states (softmax scale, query heads)
-    and the output projection if needed."""
+    and the output projection and retention gates if needed."""
+    gates = needed_gates(model, needs)
     return [
         Statistics(
             scaling=layer.self_attn.scaling,
             q_heads=layer.self_attn.config.num_attention_heads,
             output_weight=output_projection(layer.self_attn) if needs.output_projection else None,
+            gates=gates,
         )
         for layer in model.base_model.layers
     ]

@@ -106,7 +106,7 @@ class Policy:
                     f"{self.scorer.name} returned scores of shape {tuple(s.shape)} for layer {o.layer_idx}, "
                     f"expected {(o.num_kv_heads, o.length)}"
                 )
-        counts = self.allocator.counts(scores, evictable, shares)
+        counts = self.allocator.counts(scores, evictable, shares, calibrated=self.scorer.calibrated)
         return [keep_indices(*args) for args in zip(scores, protected, evictable, counts, strict=True)]
 
 

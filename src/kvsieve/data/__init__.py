@@ -1,6 +1,6 @@
 """Offline corpora and task generators."""
 
-from .essays import essay_texts, long_context, sample_documents
+from .essays import essay_split, essay_texts, long_context, sample_documents
 from .routing import ROUTING_FAMILIES, routing_samples
 from .ruler import RULER_TASKS, ruler_samples
 from .sample import EncodedSample, TaskSample, encode
@@ -13,6 +13,7 @@ __all__ = [
     "EncodedSample",
     "TaskSample",
     "encode",
+    "essay_split",
     "essay_texts",
     "long_context",
     "resolve_tasks",

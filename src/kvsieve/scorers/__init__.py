@@ -12,6 +12,7 @@ from .random import RandomScorer
 from .snapkv import SnapKVScorer
 from .streaming import StreamingScorer
 from .tova import TOVAScorer
+from .trimkv import TrimKVScorer
 from .vatp import VATPScorer
 from .window import WindowScorer
 
@@ -31,6 +32,7 @@ SCORERS: dict[str, type] = {
         VATPScorer,
         CAOTEScorer,
         CriticalScorer,
+        TrimKVScorer,
     )
 }
 
@@ -48,6 +50,7 @@ __all__ = [
     "SnapKVScorer",
     "StreamingScorer",
     "TOVAScorer",
+    "TrimKVScorer",
     "VATPScorer",
     "WindowScorer",
 ]

@@ -18,6 +18,8 @@ class Scorer(Protocol):
     """
 
     name: ClassVar[str]
+    #: whether scores of all layers and heads already share one scale (the `global` allocator then pools them raw)
+    calibrated: ClassVar[bool]
 
     @property
     def needs(self) -> Needs: ...

@@ -31,6 +31,7 @@ class CAOTEScorer:
     """
 
     name: ClassVar[str] = "caote"
+    calibrated: ClassVar[bool] = False
     window: int = DEFAULT_WINDOW
 
     def __post_init__(self) -> None:

@@ -44,6 +44,7 @@ class CriticalScorer:
     """
 
     name: ClassVar[str] = "critical"
+    calibrated: ClassVar[bool] = False
     window: int = DEFAULT_WINDOW
 
     def __post_init__(self) -> None:

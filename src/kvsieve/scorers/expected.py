@@ -8,18 +8,8 @@ from typing import ClassVar
 import torch
 
 from ..observe import DEFAULT_WINDOW, Needs, Observation
+from ..rotary import unrotate
 from .base import check_window
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """The RoPE partner of each coordinate: `(x1, x2) -> (-x2, x1)` over the two halves of the last axis."""
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
-
-
-def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Invert `x * cos + rotate_half(x) * sin` (RoPE, possibly scaled) for `x [..., w, d]`, `cos, sin [w, d]`."""
-    return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)
 
 
 def mean_rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -55,6 +45,7 @@ class ExpectedScorer:
     """
 
     name: ClassVar[str] = "expected"
+    calibrated: ClassVar[bool] = False
     window: int = DEFAULT_WINDOW
     future: int = 512
     covariance: bool = True

@@ -21,6 +21,7 @@ class H2OScorer:
     """
 
     name: ClassVar[str] = "h2o"
+    calibrated: ClassVar[bool] = False
     needs: ClassVar[Needs] = Needs(accumulated=True)
     recent: float = 0.1
 

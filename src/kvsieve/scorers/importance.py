@@ -26,6 +26,7 @@ class ImportanceScorer:
     """
 
     name: ClassVar[str] = "importance"
+    calibrated: ClassVar[bool] = False
     needs: ClassVar[Needs] = Needs(accumulated=True)
     normalize: bool = True
 

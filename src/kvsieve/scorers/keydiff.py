@@ -19,6 +19,7 @@ class KeyDiffScorer:
     """
 
     name: ClassVar[str] = "keydiff"
+    calibrated: ClassVar[bool] = False
     needs: ClassVar[Needs] = Needs()
 
     def score(self, obs: Observation) -> torch.Tensor:

@@ -15,6 +15,7 @@ class KnormScorer:
     """Score = minus the L2 norm of the key (RoPE is a rotation, so the norm is position-free)."""
 
     name: ClassVar[str] = "knorm"
+    calibrated: ClassVar[bool] = False
     needs: ClassVar[Needs] = Needs()
 
     def score(self, obs: Observation) -> torch.Tensor:

@@ -19,6 +19,7 @@ class RandomScorer:
     """
 
     name: ClassVar[str] = "random"
+    calibrated: ClassVar[bool] = False
     needs: ClassVar[Needs] = Needs()
     seed: int = 0
 

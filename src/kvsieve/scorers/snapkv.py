@@ -21,6 +21,7 @@ class SnapKVScorer:
     """
 
     name: ClassVar[str] = "snapkv"
+    calibrated: ClassVar[bool] = False
     window: int = DEFAULT_WINDOW
     kernel: int = 5
 

@@ -15,6 +15,7 @@ class StreamingScorer:
     """Later position = higher score; with the sinks protected this keeps sinks + the most recent entries."""
 
     name: ClassVar[str] = "streaming"
+    calibrated: ClassVar[bool] = False
     needs: ClassVar[Needs] = Needs()
 
     def score(self, obs: Observation) -> torch.Tensor:

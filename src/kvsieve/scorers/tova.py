@@ -18,6 +18,7 @@ class TOVAScorer:
     """
 
     name: ClassVar[str] = "tova"
+    calibrated: ClassVar[bool] = False
     needs: ClassVar[Needs] = Needs(window=1)
 
     def score(self, obs: Observation) -> torch.Tensor:

@@ -20,6 +20,7 @@ class VATPScorer:
     """
 
     name: ClassVar[str] = "vatp"
+    calibrated: ClassVar[bool] = False
     needs: ClassVar[Needs] = Needs(accumulated=True)
 
     def score(self, obs: Observation) -> torch.Tensor:

@@ -20,6 +20,7 @@ class WindowScorer:
     """
 
     name: ClassVar[str] = "window"
+    calibrated: ClassVar[bool] = False
     window: int = DEFAULT_WINDOW
     keykey: bool = False
 

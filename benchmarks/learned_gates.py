@@ -1,0 +1,152 @@
+"""Learned retention gates (trimkv) against the best heuristics, at equal bytes held, and against the full cache.
+
+Every stage uses the gates kvsieve ships for the default model (`make gates` retrains them) and
+only what the gates never saw in training: held-back essays (`kvsieve.data.essay_split`) and task
+samples of the evaluation seed.
+
+- ``ppl``: the perplexity protocol (DESIGN §4) on held-back essays, rates 0.5 / 0.7 / 0.8 / 0.9.
+- ``tasks``: the RULER and routing suites, question-agnostic and -aware, rates 0.5 / 0.75 / 0.9;
+  then every (task, rate) where trimkv+global's accuracy or gold log-prob beats the full cache
+  (paired bootstrap over samples), and every one where it falls short.
+- ``stream``: streaming perplexity at fixed budgets over held-back essays.
+- ``crossover``: needle tasks at growing context lengths (the long-distractor setting), rate 0.9.
+
+Each stage writes `benchmarks/results/learned_gates_<stage>.{json,md}`.
+
+    python benchmarks/learned_gates.py [--stages ppl,tasks,stream,crossover] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+import kvsieve
+from kvsieve.cli import progress_bar
+from kvsieve.data import essay_split, sample_documents, task_samples
+from kvsieve.eval import run_ppl
+from kvsieve.eval.analysis import accuracy_by_rate, against_full
+from kvsieve.eval.streaming import run_streaming, streaming_documents
+from kvsieve.eval.sweep import run_sweep
+from kvsieve.report import ppl_markdown, stream_markdown
+
+RESULTS = Path(__file__).parent / "results"
+LEARNED = ["trimkv+global", "trimkv", "trimkv+adaptive", "trimkv+global:gates=untrained"]
+#: The heuristics, each with the allocator that did best for it in `policy_table` (vatp: global, the rest uniform).
+HEURISTICS = ["importance", "h2o", "vatp+global", "snapkv", "expected"]
+#: The claim is tested for this policy.
+CLAIMANT = "trimkv+global"
+FULL_RUN = {"docs": 8, "samples": 3, "length": 1024, "stream_docs": 1, "stream_tokens": 8192}
+FULL_RUN |= {"lengths": "1024,2048,4096"}
+QUICK = {"docs": 2, "samples": 1, "length": 512, "stream_docs": 1, "stream_tokens": 1024, "lengths": "512,1024"}
+
+
+def stage_ppl(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:
+    _, heldout = essay_split()
+    documents = sample_documents(tokenizer, args.docs, 1024 + 512 + 1, names=heldout)
+    policies = [*LEARNED, *HEURISTICS]
+    with progress_bar("perplexity, held-back essays") as progress:
+        result = run_ppl(model, documents, policies, [0.5, 0.7, 0.8, 0.9], progress=progress)
+    report = result.to_json() | {"seconds": result.seconds}
+    return report, ppl_markdown(report, by_policy=True)
+
+
+def stage_tasks(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:
+    frames = []
+    for suite in ("ruler", "routing"):
+        samples = task_samples(suite, tokenizer, length=args.length, n=args.samples, seed=0)
+        with progress_bar(f"{suite}: agnostic and aware") as progress:
+            frames.append(
+                run_sweep(
+                    model, tokenizer, samples, [*LEARNED[:3], *HEURISTICS], [0.5, 0.75, 0.9],
+                    ("agnostic", "aware"), diagnostics=False, progress=progress,
+                )
+            )  # fmt: skip
+    rows = pd.concat(frames, ignore_index=True)
+    curves = accuracy_by_rate(rows)
+    claim = against_full(rows[rows["policy"].isin(["full", CLAIMANT])])
+    report = {"curves": curves.to_dict("records"), "claim": claim.to_dict("records"), "setup": FULL_RUN}
+    markdown = _curve_markdown(curves) + "\n\n" + _claim_markdown(claim)
+    return report, markdown
+
+
+def stage_stream(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:
+    _, heldout = essay_split()
+    documents = streaming_documents(tokenizer, args.stream_docs, args.stream_tokens, names=heldout)
+    policies = ["trimkv+global", "trimkv", "h2o", "snapkv", "streaming"]
+    with progress_bar("streaming perplexity, held-back essays") as progress:
+        result = run_streaming(model, documents, policies, [256, 512, 1024], progress=progress)
+    report = result.to_json()
+    return report, stream_markdown(report)
+
+
+def stage_crossover(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:
+    frames = []
+    for length in (int(x) for x in args.lengths.split(",")):
+        samples = task_samples("niah_single_2,niah_multikey_1", tokenizer, length=length, n=args.samples, seed=0)
+        with progress_bar(f"needles at {length} tokens") as progress:
+            frame = run_sweep(
+                model, tokenizer, samples, [CLAIMANT, "snapkv"], [0.9], diagnostics=False, progress=progress
+            )
+        frames.append(frame.assign(length=length))
+    rows = pd.concat(frames, ignore_index=True)
+    claim = pd.concat([against_full(part).assign(length=n) for n, part in rows.groupby("length")], ignore_index=True)
+    return {"claim": claim.to_dict("records")}, _claim_markdown(claim, extra=["length"])
+
+
+def _curve_markdown(curves: pd.DataFrame) -> str:
+    lines = ["| suite | mode | policy | rate | accuracy | mean gold log-prob | KV MiB |", "|" + "---|" * 7]
+    for r in curves.itertuples():
+        lines.append(
+            f"| {r.suite} | {r.mode} | {r.policy} | {r.rate:.0%} | {r.accuracy:.2f} | "
+            f"{r.mean_gold_logprob:.2f} | {r.mean_kv_bytes / 2**20:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def _claim_markdown(claim: pd.DataFrame, extra: list[str] | None = None) -> str:
+    keys = [*(extra or []), "task", "mode", "rate"]
+    lines = [
+        "| " + " | ".join(keys) + " | n | accuracy (full) | Δ gold log-prob [95% CI] | verdict |",
+        "|" + "---|" * (len(keys) + 4),
+    ]
+    for r in claim.sort_values(keys).to_dict("records"):
+        head = " | ".join(f"{r[k]:.0%}" if k == "rate" else str(r[k]) for k in keys)
+        lines.append(
+            f"| {head} | {r['n']} | {r['accuracy']:.2f} ({r['full_accuracy']:.2f}) | "
+            f"{r['delta_logprob']:+.2f} [{r['lo']:+.2f}, {r['hi']:+.2f}] | {r['verdict']} |"
+        )
+    return "\n".join(lines)
+
+
+STAGES = {"ppl": stage_ppl, "tasks": stage_tasks, "stream": stage_stream, "crossover": stage_crossover}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stages", default=",".join(STAGES))
+    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, results not written")
+    args = parser.parse_args()
+    for key, value in (QUICK if args.quick else FULL_RUN).items():
+        setattr(args, key, value)
+    model, tokenizer = kvsieve.load_model()
+    RESULTS.mkdir(exist_ok=True)
+    for name in args.stages.split(","):
+        start = time.perf_counter()
+        report, markdown = STAGES[name](model, tokenizer, args)
+        report["wall_seconds"] = time.perf_counter() - start
+        print(markdown)
+        if not args.quick:
+            stem = RESULTS / f"learned_gates_{name}"
+            stem.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
+            stem.with_suffix(".md").write_text(markdown + "\n")
+        print(f"stage {name}: {report['wall_seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Retention-gate checkpoints: `gates.safetensors` plus `config.json`, tied to one model by a hash of its weights.
+
+`config.json` records the gates' shape, the model (name and weights hash) and how they were
+trained (`TrainRecord`). Loading checks both: gates for another model, or for other dimensions,
+are a clear error. Checkpoints shipped with kvsieve live in `kvsieve/learn/checkpoints/<name>/`;
+``"default"`` picks the shipped one trained for the model at hand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import weakref
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .gates import GateShape, RetentionGates, gate_shape
+
+WEIGHTS_FILE = "gates.safetensors"
+CONFIG_FILE = "config.json"
+SHIPPED = Path(__file__).parent / "checkpoints"
+DEFAULT_GATES = "default"
+#: Gates as initialised (seed 0), for any model: the ablation that shows what training bought.
+UNTRAINED_GATES = "untrained"
+
+_FINGERPRINTS: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+class GateCheckpointError(ValueError):
+    """A retention-gate checkpoint is missing, malformed, or made for another model."""
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A hash of the model's weights (rounded to bfloat16, so float32 and bfloat16 copies agree), cached per model."""
+    if model not in _FINGERPRINTS:
+        digest = hashlib.blake2b(digest_size=16)
+        for name, param in model.state_dict().items():
+            digest.update(name.encode())
+            digest.update(param.detach().to("cpu", torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes())
+        _FINGERPRINTS[model] = digest.hexdigest()
+    return _FINGERPRINTS[model]
+
+
+@dataclass(frozen=True)
+class TrainRecord:
+    """How a set of gates was made (stored in `config.json`)."""
+
+    model_name: str
+    model_hash: str
+    budget: int
+    capacity: str
+    lam: float
+    steps: int
+    seq_len: int
+    seed: int
+    data: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def save_gates(gates: RetentionGates, record: TrainRecord, out: str | Path) -> Path:
+    """Write `gates.safetensors` and `config.json` into `out` (created if needed)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in gates.state_dict().items()}, str(out / WEIGHTS_FILE))
+    config = {"shape": gates.shape.to_dict(), "train": asdict(record)}
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def read_gates(folder: str | Path) -> tuple[RetentionGates, TrainRecord]:
+    """Load a checkpoint folder without checking it against a model."""
+    folder = Path(folder)
+    if not (folder / WEIGHTS_FILE).is_file() or not (folder / CONFIG_FILE).is_file():
+        raise GateCheckpointError(
+            f"{folder} is not a retention-gate checkpoint (needs {WEIGHTS_FILE} and {CONFIG_FILE})"
+        )
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    gates = RetentionGates(GateShape.from_dict(config["shape"]))
+    try:
+        gates.load_state_dict(load_file(str(folder / WEIGHTS_FILE)))
+    except RuntimeError as err:
+        raise GateCheckpointError(f"{folder}: the weights do not match config.json: {err}") from None
+    return gates.eval().requires_grad_(False), TrainRecord(**config["train"])
+
+
+def shipped_checkpoints() -> list[Path]:
+    """The checkpoint folders shipped inside the package."""
+    return sorted(p for p in SHIPPED.glob("*") if (p / CONFIG_FILE).is_file()) if SHIPPED.is_dir() else []
+
+
+def check_shape(gates: RetentionGates, model: torch.nn.Module) -> None:
+    """A clear error unless the gates cover `model`'s full-attention layers, kv-heads and head dimension."""
+    have, want = gates.shape, gate_shape(model, gates.shape.width)
+    if have != want:
+        raise GateCheckpointError(
+            f"these retention gates were made for layers {list(have.layers)}, {have.kv_heads} kv-heads of "
+            f"dimension {have.head_dim}; {type(model).__name__} has full-attention layers {list(want.layers)}, "
+            f"{want.kv_heads} kv-heads of dimension {want.head_dim}"
+        )
+
+
+def load_gates(source: str | Path, model: torch.nn.Module) -> RetentionGates:
+    """The gates in `source`, checked against `model`.
+
+    `source` is a checkpoint folder, ``"default"`` (the shipped gates trained for `model`) or
+    ``"untrained"`` (freshly initialised gates, seed 0).
+    """
+    device = next(model.parameters()).device
+    if str(source) == UNTRAINED_GATES:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return RetentionGates(gate_shape(model)).to(device).eval().requires_grad_(False)
+    fingerprint = model_fingerprint(model)
+    if str(source) == DEFAULT_GATES:
+        for folder in shipped_checkpoints():
+            if json.loads((folder / CONFIG_FILE).read_text())["train"]["model_hash"] == fingerprint:
+                source = folder
+                break
+        else:
+            raise GateCheckpointError(
+                f"kvsieve ships no retention gates for this {type(model).__name__} (weights hash {fingerprint}); "
+                "train them with `kvsieve train-gates --model ... --out DIR` and use the policy 'trimkv:gates=DIR'"
+            )
+    gates, record = read_gates(source)
+    check_shape(gates, model)
+    if record.model_hash != fingerprint:
+        raise GateCheckpointError(
+            f"the retention gates in {source} were trained for {record.model_name} (weights hash {record.model_hash}), "
+            f"not for this model (weights hash {fingerprint})"
+        )
+    return gates.to(device)

@@ -1,0 +1,71 @@
+"""Training sequences for retention gates: windows of the training essays and task samples with their answers.
+
+Essays are split by document (`kvsieve.data.essay_split`): only the training ones are read here, and
+the perplexity of learned policies is measured on the held-back ones. Task samples (RULER-style and
+routing families) come from `TRAINING_TASK_SEED`, far from every evaluation seed, and are fed with
+their question and gold answer after the context, so the distillation loss sees what evidence a
+later question needs.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from ..data import encode, essay_split, essay_texts, task_samples
+
+#: Seed of the task samples gates are trained on; evaluations use small seeds (0 by default).
+TRAINING_TASK_SEED = 1_000_003
+#: The task suites training samples come from.
+TRAINING_TASKS = "ruler,routing"
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """Token sequences (`[1, n]` each, `n <= seq_len`) in training order, and the record of where they came from."""
+
+    sequences: list[torch.Tensor]
+    split: dict
+
+
+def essay_windows(tokenizer: PreTrainedTokenizerBase, names: list[str], seq_len: int) -> list[torch.Tensor]:
+    """Non-overlapping `seq_len`-token windows of each named essay, each starting as the essay does (BOS kept)."""
+    texts = essay_texts()
+    windows = []
+    for name in names:
+        ids = tokenizer(texts[name], return_tensors="pt").input_ids
+        head = ids[:, :1] if ids[0, 0] == tokenizer.bos_token_id else ids[:, :0]
+        body = ids[:, head.shape[1] :]
+        step = seq_len - head.shape[1]
+        windows += [torch.cat([head, body[:, s : s + step]], dim=1) for s in range(0, body.shape[1] - step + 1, step)]
+    return windows
+
+
+def task_sequences(tokenizer: PreTrainedTokenizerBase, seq_len: int, per_task: int) -> list[torch.Tensor]:
+    """Context, question and gold answer of `per_task` training samples of every task, cut to `seq_len` tokens."""
+    samples = task_samples(TRAINING_TASKS, tokenizer, length=seq_len - 64, n=per_task, seed=TRAINING_TASK_SEED)
+    sequences = []
+    for sample in samples:
+        encoded = encode(sample, tokenizer)
+        ids = torch.cat([encoded.context_ids, encoded.question_ids, encoded.gold_ids], dim=1)
+        sequences.append(ids[:, -seq_len:] if ids.shape[1] > seq_len else ids)
+    return sequences
+
+
+def training_data(tokenizer: PreTrainedTokenizerBase, seq_len: int, per_task: int, seed: int) -> TrainingData:
+    """The training essays' windows and `per_task` samples of every task, shuffled by `seed`."""
+    train, heldout = essay_split()
+    sequences = essay_windows(tokenizer, train, seq_len) + task_sequences(tokenizer, seq_len, per_task)
+    random.Random(seed).shuffle(sequences)
+    split = {
+        "train_essays": train,
+        "heldout_essays": heldout,
+        "tasks": TRAINING_TASKS,
+        "task_seed": TRAINING_TASK_SEED,
+        "task_samples_per_task": per_task,
+        "sequences": len(sequences),
+    }
+    return TrainingData(sequences, split)

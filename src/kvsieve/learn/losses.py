@@ -1,0 +1,60 @@
+"""Training losses for retention gates: distillation from the full cache, next-token, and the capacity hinge.
+
+Formulas as in TRIM-KV (arXiv 2512.03324) and DBTrimKV (arXiv 2605.09649) and their public code:
+the quality term is the forward KL from the full-cache teacher's next-token distribution (optionally
+averaged with the next-token loss); the capacity term penalises the expected number of entries kept,
+`S_t = sum_{i <= t} beta_i^(t - i)`, above the budget `M`, normalised by how far above `M` the
+sequence itself is: `max(0, (S_t - M) / max(t - M, 1))`, averaged over the positive terms. The global
+variant sums `S_t` over every (layer, kv-head) and compares it with `M` times their number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.nn import functional as F
+
+CAPACITIES = ("global", "head")
+
+
+def forward_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of `KL(teacher || student)` of the next-token distributions (`[..., vocab]` logits)."""
+    teacher = F.log_softmax(teacher_logits.float(), dim=-1)
+    student = F.log_softmax(student_logits.float(), dim=-1)
+    return (teacher.exp() * (teacher - student)).sum(-1).mean()
+
+
+def next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each token given the ones before it (`logits [b, T, vocab]`, `input_ids [b, T]`)."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
+
+
+def expected_kept(log_beta: torch.Tensor) -> torch.Tensor:
+    """`[..., T]` `S_t = sum_{i <= t} beta_i^(t - i)`: the entries a soft cache holds after step `t`."""
+    length = log_beta.shape[-1]
+    steps = torch.arange(length, device=log_beta.device)
+    distance = (steps[:, None] - steps[None, :]).to(log_beta.dtype)
+    weights = torch.exp((distance * log_beta[..., None, :]).masked_fill(distance < 0, float("-inf")))
+    return weights.sum(-1)
+
+
+def capacity_loss(log_betas: Iterable[torch.Tensor], budget: int, capacity: str = "global") -> torch.Tensor:
+    """The capacity hinge over every gated layer's `log beta [batch, kv_heads, T]`.
+
+    Args:
+        budget: `M`, entries per (layer, kv-head).
+        capacity: ``"global"`` (one budget over all layers and heads) or ``"head"`` (one per head).
+    """
+    if capacity not in CAPACITIES:
+        raise ValueError(f"capacity must be one of {CAPACITIES}, got {capacity!r}")
+    kept = torch.cat([expected_kept(lb) for lb in log_betas], dim=1)  # [batch, layers * kv_heads, T]
+    pools = kept.shape[1]
+    if capacity == "global":
+        kept, budget_total, scale = kept.sum(1, keepdim=True), budget * pools, pools
+    else:
+        budget_total, scale = budget, 1
+    steps = torch.arange(kept.shape[-1], device=kept.device, dtype=kept.dtype) * scale
+    hinge = torch.relu((kept - budget_total) / (steps - budget_total).clamp(min=1.0))
+    positive = (hinge > 0).sum()
+    return hinge.sum() / positive if positive > 0 else hinge.sum()

@@ -1,0 +1,250 @@
+"""Retention gates (TrimKV / DBTrimKV): the module, soft retention, losses, training, checkpoints, the trimkv scorer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import kvsieve
+from conftest import tiny_gemma3, tiny_llama
+from kvsieve.learn.checkpoint import (
+    GateCheckpointError,
+    TrainRecord,
+    load_gates,
+    model_fingerprint,
+    read_gates,
+    save_gates,
+)
+from kvsieve.learn.data import TrainingData
+from kvsieve.learn.gates import RetentionGates, gate_shape
+from kvsieve.learn.losses import capacity_loss, expected_kept
+from kvsieve.learn.retention import RetentionTape, soft_retention
+from kvsieve.learn.train import TrainConfig, train_gates, train_step
+from kvsieve.rotary import find_rotary, rotate_half
+
+SEQ = 48
+
+
+def _tape(model, gates, length=SEQ) -> RetentionTape:
+    return RetentionTape(gates, *find_rotary(model)(torch.arange(length)))
+
+
+def _gates(model, bias: float = 3.0, seed: int = 0) -> RetentionGates:
+    torch.manual_seed(seed)
+    return RetentionGates(gate_shape(model, width=8), bias_init=bias).to(next(model.parameters()).dtype)
+
+
+def _checkpoint(folder, model, gates: RetentionGates):
+    """`gates` saved as a checkpoint for `model`."""
+    record = TrainRecord("tiny", model_fingerprint(model), 8, "global", 1.0, 3, SEQ, 0, {"x": [1]}, 1.5)
+    save_gates(gates, record, folder)
+    return record
+
+
+def test_one_scoring_projection_is_shared_by_every_layer_and_head():
+    model = tiny_llama()
+    gates = _gates(model)
+    linears = [m for m in gates.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears == [gates.scoring], "one final projection object, no per-layer copy"
+    assert [k for k in gates.state_dict() if k.startswith("scoring")] == ["scoring.weight", "scoring.bias"]
+    keys, values = torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16)
+    before = [gates.log_beta(layer, keys, values) for layer in range(3)]
+    with torch.no_grad():
+        gates.scoring.bias += 1.0
+    after = [gates.log_beta(layer, keys, values) for layer in range(3)]
+    assert all((a > b).all() for a, b in zip(after, before, strict=True)), "moving the shared bias moves every layer"
+    assert all((lb <= 0).all() for lb in after)
+
+
+def test_untouched_gates_leave_the_model_exact():
+    """With every log beta = 0 the soft-retention student is the teacher (float64)."""
+    model = tiny_llama().double()
+    gates = _gates(model).double()
+    with torch.no_grad():
+        gates.scoring.weight.zero_()
+        gates.scoring.bias.fill_(800.0)  # log sigmoid(800) == 0 in float64
+    ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        teacher = model(ids).logits
+        tape = _tape(model, gates)
+        with soft_retention(model, tape):
+            student = model(ids).logits
+    assert all(bool((lb == 0).all()) for lb in tape.log_beta.values()) and sorted(tape.log_beta) == [0, 1, 2]
+    torch.testing.assert_close(student, teacher, atol=1e-10, rtol=0)
+    assert model.config._attn_implementation == "sdpa", "the model's own attention comes back"
+
+
+def test_soft_retention_equals_attention_with_the_decay_bias():
+    """Each gated layer's logits get `(t - i) * log beta_i`: checked against an explicit float64 softmax."""
+    model = tiny_llama(layers=1).double()
+    gates = _gates(model, bias=1.0).double()
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(5))
+    tape = _tape(model, gates, 16)
+    with torch.no_grad(), soft_retention(model, tape):
+        out = model(ids, output_hidden_states=True)
+    attn = model.model.layers[0].self_attn
+    hidden = model.model.layers[0].input_layernorm(out.hidden_states[0])
+    q = attn.q_proj(hidden).view(1, 16, 4, 16).transpose(1, 2)
+    k = attn.k_proj(hidden).view(1, 16, 2, 16).transpose(1, 2)
+    v = attn.v_proj(hidden).view(1, 16, 2, 16).transpose(1, 2)
+    log_beta = gates.log_beta(0, k, v)  # pre-RoPE keys straight from the projection
+    torch.testing.assert_close(tape.log_beta[0], log_beta, atol=1e-8, rtol=0)
+    cos, sin = model.model.rotary_emb(hidden, torch.arange(16)[None])
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    t = torch.arange(16)
+    bias = (t[:, None] - t[None, :]) * log_beta[..., None, :]
+    logits = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * attn.scaling + bias.repeat_interleave(2, 1)
+    probs = torch.softmax(logits.masked_fill(t[None, :] > t[:, None], float("-inf")), dim=-1)
+    expected = attn.o_proj((probs @ v.repeat_interleave(2, 1)).transpose(1, 2).reshape(1, 16, 64))
+    residual = out.hidden_states[0] + expected
+    mlp = model.model.layers[0].mlp(model.model.layers[0].post_attention_layernorm(residual))
+    torch.testing.assert_close(model.model.norm(residual + mlp), out.hidden_states[1], atol=1e-6, rtol=0)
+
+
+def test_gradients_reach_only_the_gates():
+    model = tiny_llama()
+    gates = _gates(model)
+    ids = torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(3))
+    terms = train_step(model, gates, _tape(model, gates), ids, TrainConfig(budget=8, seq_len=SEQ))
+    torch.autograd.backward(terms["loss"], inputs=list(gates.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in gates.parameters())
+
+
+def test_expected_kept_and_the_capacity_hinge():
+    log_beta = torch.log(torch.tensor([[[0.5, 1.0, 0.25]]]))
+    kept = expected_kept(log_beta)
+    torch.testing.assert_close(kept, torch.tensor([[[1.0, 1.5, 1.25 + 1.0]]]))  # S_t = sum_i beta_i^(t-i)
+    # hinge (S_t - M) / max(t - M, 1) at t = 0, 1, 2: 0, 0.5, 1.25; the mean of the positive terms
+    torch.testing.assert_close(capacity_loss([log_beta], budget=1, capacity="head"), torch.tensor((0.5 + 1.25) / 2))
+    assert float(capacity_loss([log_beta], budget=3, capacity="head")) == 0.0
+    two = [log_beta, torch.zeros(1, 1, 3)]  # a second head keeps everything: S = 1, 2, 3
+    # global: S summed over both heads (2, 3.5, 5.25) against M * 2 = 2, steps scaled by 2 (0, 2, 4)
+    expected = ((3.5 - 2) / 1 + (5.25 - 2) / 2) / 2
+    torch.testing.assert_close(capacity_loss(two, budget=1, capacity="global"), torch.tensor(expected))
+
+
+def test_training_lowers_the_loss_and_resumes(tmp_path):
+    model = tiny_llama()
+    data = TrainingData(
+        [torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(s)) for s in range(4)], {}
+    )
+    config = TrainConfig(budget=8, steps=12, seq_len=SEQ, lr=5e-2, width=8, bias_init=4.0, save_every=6)
+    gates, record = train_gates(model, None, config, tmp_path / "a", "tiny", data=data, show_progress=False)
+    torch.manual_seed(config.seed)
+    fresh = RetentionGates(gate_shape(model, 8), bias_init=4.0)
+    with torch.no_grad():
+        before = sum(float(train_step(model, fresh, _tape(model, fresh), d, config)["loss"]) for d in data.sequences)
+        after = sum(float(train_step(model, gates, _tape(model, gates), d, config)["loss"]) for d in data.sequences)
+    assert after < 0.8 * before
+    assert record.steps == 12 and record.model_hash == model_fingerprint(model)
+    # an interrupted run (state saved at step 6) finishes to the same gates as an uninterrupted one
+    half = dataclasses.replace(config, steps=6)
+    train_gates(model, None, half, tmp_path / "b", "tiny", data=data, show_progress=False)
+    state = torch.load(tmp_path / "b" / "train_state.pt", weights_only=True)
+    state["config"] = dataclasses.asdict(config)
+    torch.save(state, tmp_path / "b" / "train_state.pt")
+    resumed, _ = train_gates(model, None, config, tmp_path / "b", "tiny", data=data, show_progress=False)
+    for name, tensor in gates.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[name], tensor, atol=1e-6, rtol=0)
+
+
+def test_checkpoint_round_trip_and_wrong_models(tmp_path):
+    model = tiny_llama()
+    gates = _gates(model)
+    record = _checkpoint(tmp_path, model, gates)
+    loaded, got = read_gates(tmp_path)
+    assert got == record
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in gates.state_dict().items())
+    assert load_gates(tmp_path, model).shape == gates.shape
+    with pytest.raises(GateCheckpointError, match="weights hash"):
+        load_gates(tmp_path, tiny_llama(seed=1))  # same dimensions, other weights
+    with pytest.raises(GateCheckpointError, match="kv-heads"):
+        load_gates(tmp_path, tiny_llama(kv_heads=4))
+    with pytest.raises(GateCheckpointError, match="not a retention-gate checkpoint"):
+        load_gates(tmp_path / "nowhere", model)
+    with pytest.raises(GateCheckpointError, match="ships no retention gates"):
+        kvsieve.compress(model, torch.randint(0, 128, (1, 40)), "trimkv", rate=0.5)
+
+
+@torch.no_grad()
+def test_trimkv_scores_decay_as_distance_times_log_beta(tmp_path):
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(2))
+    policy = kvsieve.make_policy("trimkv:gates=untrained")
+    prefill = kvsieve.observe_prefill(model, ids, policy.needs)
+    gates = load_gates("untrained", model)
+    out = model(ids, output_hidden_states=True)
+    for obs in prefill.observations[0]:
+        attn = model.model.layers[obs.layer_idx].self_attn
+        hidden = model.model.layers[obs.layer_idx].input_layernorm(out.hidden_states[obs.layer_idx])
+        keys = attn.k_proj(hidden).view(60, 2, 16).transpose(0, 1)
+        values = attn.v_proj(hidden).view(60, 2, 16).transpose(0, 1)
+        expected = (60 - torch.arange(60)) * gates.log_beta(obs.layer_idx, keys, values)
+        torch.testing.assert_close(policy.scorer.score(obs), expected, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_trimkv_global_meets_one_budget_exactly_across_layers_and_heads(tmp_path):
+    model = tiny_llama()
+    gates = _gates(model)
+    torch.nn.init.normal_(gates.scoring.weight, std=1.0)  # entries decay at clearly different rates
+    _checkpoint(tmp_path, model, gates)
+    ids = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(2))
+    policy = kvsieve.make_policy(f"trimkv+global:gates={tmp_path}", n_sink=1, sliding_window=4)
+    assert policy.allocator.calibration == "auto"
+    cache = kvsieve.compress(model, ids, policy, rate=0.75)
+    evictable = 100 - 1 - 4
+    kept = sum(n - 5 for layer in cache.stored_lengths() for n in layer)
+    assert kept == 6 * (evictable - round(0.75 * evictable))
+    assert len({n for layer in cache.stored_lengths() for n in layer}) > 1, "heads and layers keep different counts"
+    # raw scores decide: the kept evictable entries are the best of the pooled scores
+    prefill = kvsieve.observe_prefill(model, ids, policy.needs)
+    scores = [policy.scorer.score(obs)[:, 1:96] for obs in prefill.observations[0]]
+    threshold = torch.cat([s.flatten() for s in scores]).topk(kept).values.min()
+    for layer, layer_scores in enumerate(scores):
+        for head, head_scores in enumerate(layer_scores):
+            assert cache.stored_lengths()[layer][head] - 5 == int((head_scores >= threshold).sum())
+
+
+@torch.no_grad()
+def test_trimkv_bounded_generation_on_a_hybrid_model():
+    """Gates exist for the full-attention layers only; the budget holds at every eviction during decoding."""
+    model = tiny_gemma3()
+    assert gate_shape(model).layers == (1, 3)
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(2))
+    spec = "trimkv+global:gates=untrained"
+    config = kvsieve.EvictionConfig(eviction_mode=spec, max_tokens=24, buffer=8, sliding_window=4)
+    with kvsieve.apply(model, config) as handle:
+        model.generate(ids, max_new_tokens=60, do_sample=False, pad_token_id=0)
+    full = handle.last_cache.full_layers
+    assert sum(sum(handle.last_cache.stored_lengths()[i]) for i in full) <= 2 * 2 * (24 + 8)
+
+
+def test_train_gates_command_writes_a_checkpoint_the_scorer_loads(model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from kvsieve.cli import app
+
+    out = tmp_path / "gates"
+    args = ["train-gates", "--model", str(model_dir), "--out", str(out), "--steps", "2", "--seq-len", "256"]
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--budget", "16", "--per-task", "0"])
+    assert result.exit_code == 0, result.output
+    _, record = read_gates(out)
+    assert record.steps == 2 and record.budget == 16 and record.model_name == str(model_dir)
+    assert set(record.data["heldout_essays"]).isdisjoint(record.data["train_essays"])
+    assert record.data["task_seed"] > 1000, "training tasks never share a seed with evaluation"
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()  # loaded again: the same weights hash
+    ids = torch.randint(0, 100, (1, 80), generator=torch.Generator().manual_seed(0))
+    trained = kvsieve.make_policy(f"trimkv+global:gates={out}")
+    untrained = kvsieve.make_policy("trimkv+global:gates=untrained")
+    prefill = kvsieve.observe_prefill(model, ids, trained.needs | untrained.needs)  # two sets of gates, one prefill
+    first = prefill.observations[0][0]
+    assert not torch.equal(trained.scorer.score(first), untrained.scorer.score(first))
+    bad = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--capacity", "layer"])
+    assert bad.exit_code == 2 and "capacity must be one of" in bad.output
+    short = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--budget", "16", "--per-task", "1"])
+    assert short.exit_code == 2 and "too small" in short.output, "task prompts that do not fit: a clean error"
