@@ -48,12 +48,12 @@ class TrainConfig:
     """
 
     budget: int = 128
-    steps: int = 400
+    steps: int = 300
     seq_len: int = 1024
     lam: float = 1.0
     capacity: str = "global"
     ntp: bool = False
-    lr: float = 2e-3
+    lr: float = 5e-3
     width: int = DEFAULT_WIDTH
     bias_init: float = DEFAULT_BIAS_INIT
     per_task: int = 3
