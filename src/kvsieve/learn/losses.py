@@ -15,6 +15,8 @@ from collections.abc import Iterable
 import torch
 from torch.nn import functional as F
 
+from .retention import retention_bias
+
 CAPACITIES = ("global", "head")
 
 
@@ -32,11 +34,7 @@ def next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tens
 
 def expected_kept(log_beta: torch.Tensor) -> torch.Tensor:
     """`[..., T]` `S_t = sum_{i <= t} beta_i^(t - i)`: the entries a soft cache holds after step `t`."""
-    length = log_beta.shape[-1]
-    steps = torch.arange(length, device=log_beta.device)
-    distance = (steps[:, None] - steps[None, :]).to(log_beta.dtype)
-    weights = torch.exp((distance * log_beta[..., None, :]).masked_fill(distance < 0, float("-inf")))
-    return weights.sum(-1)
+    return retention_bias(log_beta).exp().sum(-1)
 
 
 def capacity_loss(log_betas: Iterable[torch.Tensor], budget: int, capacity: str = "global") -> torch.Tensor:
