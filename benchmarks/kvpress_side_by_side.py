@@ -23,6 +23,7 @@ from kvsieve import load_model
 from kvsieve.cli import progress_bar
 from kvsieve.data.suites import task_samples
 from kvsieve.eval.sweep import run_sweep
+from kvsieve.report import markdown_table
 
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results"
@@ -85,18 +86,22 @@ def markdown(table: pd.DataFrame, full: pd.Series) -> str:
         "KV MiB held",
         "wall s per config",
     ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in table.itertuples():
-        lines.append(
-            f"| {r.rate:.0%} | {r.kvsieve} / {r.kvpress} | {r.acc_kvsieve:.0f} / {r.acc_kvpress:.0f} | "
-            f"{r.logprob_kvsieve:.2f} / {r.logprob_kvpress:.2f} | {r.kv_mib_kvsieve:.2f} / {r.kv_mib_kvpress:.2f} | "
-            f"{r.wall_s_kvsieve:.2f} / {r.wall_s_kvpress:.2f} |"
-        )
+    body = [
+        [
+            f"{r.rate:.0%}",
+            f"{r.kvsieve} / {r.kvpress}",
+            f"{r.acc_kvsieve:.0f} / {r.acc_kvpress:.0f}",
+            f"{r.logprob_kvsieve:.2f} / {r.logprob_kvpress:.2f}",
+            f"{r.kv_mib_kvsieve:.2f} / {r.kv_mib_kvpress:.2f}",
+            f"{r.wall_s_kvsieve:.2f} / {r.wall_s_kvpress:.2f}",
+        ]
+        for r in table.itertuples()
+    ]
     caption = (
         f"full cache: accuracy {100 * full['accuracy']:.0f}%, gold log-prob {full['gold_logprob']:.2f}, "
         f"KV {full['kv_mib']:.2f} MiB, wall {full['wall_s']:.2f} s; {int(full['n'])} samples"
     )
-    return "\n".join(lines) + f"\n\n{caption}\n"
+    return markdown_table(header, body) + f"\n\n{caption}\n"
 
 
 def main() -> None:

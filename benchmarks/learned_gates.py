@@ -34,7 +34,7 @@ from kvsieve.eval import run_ppl
 from kvsieve.eval.analysis import accuracy_by_rate, against_full
 from kvsieve.eval.streaming import run_streaming, streaming_documents
 from kvsieve.eval.sweep import run_sweep
-from kvsieve.report import ppl_markdown, stream_markdown
+from kvsieve.report import markdown_table, ppl_markdown, stream_markdown
 
 RESULTS = Path(__file__).parent / "results"
 LEARNED = ["trimkv+global", "trimkv", "trimkv+adaptive", "trimkv+global:gates=untrained"]
@@ -101,28 +101,25 @@ def stage_crossover(model: Any, tokenizer: Any, args: argparse.Namespace) -> tup
 
 
 def _curve_markdown(curves: pd.DataFrame) -> str:
-    lines = ["| suite | mode | policy | rate | accuracy | mean gold log-prob | KV MiB |", "|" + "---|" * 7]
-    for r in curves.itertuples():
-        lines.append(
-            f"| {r.suite} | {r.mode} | {r.policy} | {r.rate:.0%} | {r.accuracy:.2f} | "
-            f"{r.mean_gold_logprob:.2f} | {r.mean_kv_bytes / 2**20:.1f} |"
-        )
-    return "\n".join(lines)
+    header = ["suite", "mode", "policy", "rate", "accuracy", "mean gold log-prob", "KV MiB"]
+    body = [
+        [r.suite, r.mode, r.policy, f"{r.rate:.0%}", f"{r.accuracy:.2f}", f"{r.mean_gold_logprob:.2f}",
+         f"{r.mean_kv_bytes / 2**20:.1f}"]
+        for r in curves.itertuples()
+    ]  # fmt: skip
+    return markdown_table(header, body)
 
 
 def _claim_markdown(claim: pd.DataFrame, extra: list[str] | None = None) -> str:
     keys = [*(extra or []), "task", "mode", "rate"]
-    lines = [
-        "| " + " | ".join(keys) + " | n | accuracy (full) | Δ gold log-prob [95% CI] | verdict |",
-        "|" + "---|" * (len(keys) + 4),
-    ]
-    for r in claim.sort_values(keys).to_dict("records"):
-        head = " | ".join(f"{r[k]:.0%}" if k == "rate" else str(r[k]) for k in keys)
-        lines.append(
-            f"| {head} | {r['n']} | {r['accuracy']:.2f} ({r['full_accuracy']:.2f}) | "
-            f"{r['delta_logprob']:+.2f} [{r['lo']:+.2f}, {r['hi']:+.2f}] | {r['verdict']} |"
-        )
-    return "\n".join(lines)
+    header = [*keys, "n", "accuracy (full)", "Δ gold log-prob [95% CI]", "verdict"]
+    body = [
+        [*(f"{r[k]:.0%}" if k == "rate" else str(r[k]) for k in keys), str(r["n"]),
+         f"{r['accuracy']:.2f} ({r['full_accuracy']:.2f})",
+         f"{r['delta_logprob']:+.2f} [{r['lo']:+.2f}, {r['hi']:+.2f}]", r["verdict"]]
+        for r in claim.sort_values(keys).to_dict("records")
+    ]  # fmt: skip
+    return markdown_table(header, body)
 
 
 STAGES = {"ppl": stage_ppl, "tasks": stage_tasks, "stream": stage_stream, "crossover": stage_crossover}

@@ -25,6 +25,7 @@ from kvsieve.data.suites import task_samples
 from kvsieve.eval.analysis import accuracy_by_rate, cliff, hallucination_vs_ger
 from kvsieve.eval.contenders import parse_contenders
 from kvsieve.eval.sweep import run_sweep, sample_key
+from kvsieve.report import markdown_table
 from kvsieve.report.figures import plot_accuracy_vs_rate, plot_hallucination_vs_ger
 from kvsieve.report.html import write_report
 
@@ -48,14 +49,14 @@ def task_table(rows: pd.DataFrame) -> pd.DataFrame:
 
 def markdown(table: pd.DataFrame) -> str:
     header = [str(c) for c in table.columns]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in table.itertuples(index=False):
-        cells = [
+    body = [
+        [
             f"{v:.0%}" if c == "rate" else f"{v:.0f}" if isinstance(v, float) else str(v)
             for c, v in zip(header, row, strict=True)
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        for row in table.itertuples(index=False)
+    ]
+    return markdown_table(header, body)
 
 
 def run_suite(model, tokenizer, suite: str, length: int, modes: tuple[str, ...], args, console: Console) -> None:

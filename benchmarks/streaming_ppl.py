@@ -36,7 +36,7 @@ from kvsieve.eval.streaming import (
     streaming_documents,
 )
 from kvsieve.growth import DEFAULT_BUFFER
-from kvsieve.report import plot_stream_ppl, stream_markdown
+from kvsieve.report import markdown_table, plot_stream_ppl, stream_markdown
 
 RESULTS = Path(__file__).parent / "results"
 #: kvpress's presses run at these budgets only (the comparison, not the sweep).
@@ -86,11 +86,16 @@ def arguments() -> argparse.Namespace:
 
 def seconds_table(report: dict[str, Any]) -> str:
     """Markdown: wall seconds of the forwards per (policy, budget) and document."""
-    lines = ["| policy | budget | s per document | ms/token |", "|---|---|---|---|"]
-    for r in report["rows"]:
-        budget = "-" if r["budget"] is None else r["budget"]
-        lines.append(f"| {r['policy']} | {budget} | {r['seconds'] / report['docs']:.1f} | {r['ms_per_token']:.2f} |")
-    return "\n".join(lines)
+    body = [
+        [
+            r["policy"],
+            "-" if r["budget"] is None else str(r["budget"]),
+            f"{r['seconds'] / report['docs']:.1f}",
+            f"{r['ms_per_token']:.2f}",
+        ]
+        for r in report["rows"]
+    ]
+    return markdown_table(["policy", "budget", "s per document", "ms/token"], body)
 
 
 def main() -> None:

@@ -44,7 +44,7 @@ from .learn.train import TrainConfig, train_gates
 from .models import DEFAULT_MODEL, load_model
 from .observe import observe_prefill
 from .policy import make_policy, split_policies
-from .report import plot_ppl, plot_stream_ppl, ppl_markdown, ppl_table, stream_table
+from .report import markdown_table, plot_ppl, plot_stream_ppl, ppl_markdown, ppl_table, stream_table
 from .report.figures import plot_eviction_map
 from .report.html import MANIFEST_FILE, RESULTS_FILE, accuracy_pivot, write_report
 from .scorers import SCORERS
@@ -246,8 +246,7 @@ def demo_tasks(model: Any, tokenizer: Any, folder: Path) -> list[str]:
     stats = stats[(stats["policy"] == "full") | (stats["rate"] > 0)]
     header = ["mode", "policy", "rate", "accuracy %", "gold log-prob", "GER", "KV MiB"]
     table = Table(*header, title=f"Tasks: {len(samples)} samples (niah_single_2, routing/base), 1k tokens")
-    lines = ["## Task accuracy (RULER-style needle and a routing probe)", "", "| " + " | ".join(header) + " |"]
-    lines.append("|" + "---|" * len(header))
+    body = []
     for r in stats.itertuples():
         cells = [
             r.mode,
@@ -259,10 +258,11 @@ def demo_tasks(model: Any, tokenizer: Any, folder: Path) -> list[str]:
             f"{r.mean_kv_bytes / 2**20:.2f}",
         ]
         table.add_row(*cells)
-        lines.append("| " + " | ".join(cells) + " |")
+        body.append(cells)
     console.print(table)
     page = write_report(folder)
-    return [*lines, "", f"Full sweep report: [{page.name}](tasks/{page.name})", ""]
+    heading = "## Task accuracy (RULER-style needle and a routing probe)"
+    return [heading, "", markdown_table(header, body), "", f"Full sweep report: [{page.name}](tasks/{page.name})", ""]
 
 
 @app.command()

@@ -1,7 +1,8 @@
-"""The perplexity table: delta% per policy and rate, and each policy's advantage over random."""
+"""Tables: perplexity change per policy and rate (and the advantage over random), streaming perplexity; Markdown."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from rich.table import Table
@@ -75,12 +76,16 @@ def ppl_table(report: dict[str, Any], by_policy: bool | None = None) -> Table:
     return table
 
 
+def markdown_table(header: Sequence[str], body: Iterable[Sequence[str]]) -> str:
+    """A Markdown table: the header, its rule, one line per row of cells (no trailing newline)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in body]
+    return "\n".join(lines)
+
+
 def ppl_markdown(report: dict[str, Any], by_policy: bool | None = None) -> str:
     """The same table in Markdown."""
-    header, body = _layout(report, by_policy)
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(line) + " |" for line in body]
-    return "\n".join(lines) + f"\n\n{_caption(report)}\n"
+    return markdown_table(*_layout(report, by_policy)) + f"\n\n{_caption(report)}\n"
 
 
 def _mib(n: int) -> str:
@@ -141,7 +146,4 @@ def stream_table(report: dict[str, Any]) -> Table:
 
 def stream_markdown(report: dict[str, Any]) -> str:
     """The same table in Markdown."""
-    header, body = _stream_cells(report)
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(line) + " |" for line in body]
-    return "\n".join(lines) + f"\n\n{_stream_caption(report)}\n"
+    return markdown_table(*_stream_cells(report)) + f"\n\n{_stream_caption(report)}\n"
