@@ -15,6 +15,7 @@ import kvsieve
 from conftest import tiny_llama
 from kvsieve.eval.analysis import (
     accuracy_by_rate,
+    against_full,
     cliff,
     consensus_by_depth,
     hallucination_vs_ger,
@@ -329,6 +330,24 @@ def test_cliff_on_a_designed_curve():
     press = table.loc[("kvpress", "kvpress:snapkv")]
     assert press["full_accuracy"] == 1.0 and press["safe_rate"] is None
     assert press["cliff_drop_per_rate"] == pytest.approx(0.5 / 0.5)
+
+
+def test_against_full_pairs_the_samples_and_gives_verdicts():
+    df = sweep_frame()  # gold log-prob is -index - rate: every policy row is exactly `rate` below its full row
+    table = against_full(df).set_index(["library", "policy", "rate"])
+    snap = table.loc[("kvsieve", "snapkv", 0.5)]
+    assert snap["n"] == 4 and snap["accuracy"] == 0.75 and snap["full_accuracy"] == 1.0
+    assert snap["delta_logprob"] == pytest.approx(-0.5) and snap["hi"] == pytest.approx(-0.5)
+    assert set(table["verdict"]) == {"falls short"}
+    lifted = df.assign(gold_logprob=np.where(df["policy"] == "full", df["gold_logprob"], df["gold_logprob"] + 0.6))
+    lifted_table = against_full(lifted).set_index(["library", "policy", "rate"])
+    assert lifted_table.loc[("kvsieve", "snapkv", 0.25), "verdict"] == "beats"  # +0.35 on every sample
+    assert lifted_table.loc[("kvsieve", "snapkv", 0.75), "verdict"] == "falls short"  # -0.15, and lower accuracy
+    # a log-prob interval above 0 decides even at lower accuracy (+0.1 on every sample, half the accuracy)
+    assert lifted_table.loc[("kvpress", "kvpress:snapkv", 0.5), "verdict"] == "beats"
+    same = against_full(df.assign(gold_logprob=-df["index"].astype(float))).set_index(["library", "policy", "rate"])
+    assert same.loc[("kvsieve", "random", 0.5), "verdict"] == "level"  # equal log-prob, equal accuracy
+    assert same.loc[("kvsieve", "snapkv", 0.75), "verdict"] == "falls short"  # equal log-prob, lower accuracy
 
 
 def test_library_side_by_side():

@@ -24,9 +24,10 @@ def essays_dir() -> Path:
     return folder
 
 
-def essay_texts() -> dict[str, str]:
-    """Essay name -> text, sorted by name."""
-    return {path.stem: path.read_text(encoding="utf-8") for path in sorted(essays_dir().glob("*.txt"))}
+def essay_texts(names: Sequence[str] | None = None) -> dict[str, str]:
+    """Essay name -> text, sorted by name: every essay, or those in `names`."""
+    paths = sorted(essays_dir().glob("*.txt"))
+    return {path.stem: path.read_text(encoding="utf-8") for path in paths if names is None or path.stem in names}
 
 
 def essay_split() -> tuple[list[str], list[str]]:
@@ -50,9 +51,7 @@ def sample_documents(
     choice to those essays (e.g. the held-back half of `essay_split`).
     """
     long_enough = []
-    for name, text in essay_texts().items():
-        if names is not None and name not in names:
-            continue
+    for name, text in essay_texts(names).items():
         ids = tokenizer(text, return_tensors="pt").input_ids
         if ids.shape[1] >= n_tokens:
             long_enough.append((name, ids[:, :n_tokens]))

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .stats import bootstrap_mean_ci
+
 FULL = "full"
 CURVE_KEYS: tuple[str, ...] = ("suite", "mode", "library", "policy")
 SAMPLE_KEYS: tuple[str, ...] = ("task", "index")
@@ -253,7 +255,6 @@ def against_full(df: pd.DataFrame, n_boot: int = 2000, seed: int = 0) -> pd.Data
     significantly lower, ``"falls short"`` in the mirror cases, else ``"level"``.
     """
     _require(df, [*CURVE_KEYS, *SAMPLE_KEYS, "rate", "correct", "gold_logprob"], "against_full")
-    rng = np.random.default_rng(seed)
     out = []
     for (suite, mode, library, policy, task, rate), rows in df[df["policy"] != FULL].groupby(
         [*CURVE_KEYS, "task", "rate"], sort=True
@@ -263,8 +264,7 @@ def against_full(df: pd.DataFrame, n_boot: int = 2000, seed: int = 0) -> pd.Data
         if paired.empty:
             continue
         diff = (paired["gold_logprob"] - paired["gold_logprob_full"]).to_numpy(dtype=float)
-        boots = diff[rng.integers(0, len(diff), size=(n_boot, len(diff)))].mean(1)
-        lo, hi = np.percentile(boots, [2.5, 97.5])
+        lo, hi = bootstrap_mean_ci(diff, n_boot, seed)
         accuracy, full_accuracy = paired["correct"].astype(float).mean(), paired["correct_full"].astype(float).mean()
         better = lo > 0 or (accuracy > full_accuracy and hi >= 0)
         worse = hi < 0 or (accuracy < full_accuracy and lo <= 0)
@@ -273,7 +273,7 @@ def against_full(df: pd.DataFrame, n_boot: int = 2000, seed: int = 0) -> pd.Data
             {
                 "suite": suite, "task": task, "mode": mode, "library": library, "policy": policy, "rate": rate,
                 "n": len(diff), "accuracy": accuracy, "full_accuracy": full_accuracy,
-                "delta_logprob": float(diff.mean()), "lo": float(lo), "hi": float(hi), "verdict": verdict,
+                "delta_logprob": float(diff.mean()), "lo": lo, "hi": hi, "verdict": verdict,
             }
         )  # fmt: skip
     return pd.DataFrame(out)

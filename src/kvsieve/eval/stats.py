@@ -34,6 +34,14 @@ def bootstrap_delta_ci(
     return float(lo), float(hi)
 
 
+def bootstrap_mean_ci(values: np.ndarray, n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of the mean, resampling the values (e.g. paired per-sample differences)."""
+    values = np.asarray(values, dtype=np.float64)
+    picks = np.random.default_rng(seed).integers(0, len(values), size=(n_boot, len(values)))
+    lo, hi = np.percentile(values[picks].mean(1), [2.5, 97.5])
+    return float(lo), float(hi)
+
+
 def bootstrap_ppl_ci(nll: np.ndarray, tokens: np.ndarray, n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:
     """95% percentile interval of `pooled_ppl`, resampling documents with replacement."""
     nll, tokens = (np.asarray(a, dtype=np.float64) for a in (nll, tokens))

@@ -93,7 +93,7 @@ def streaming_documents(
 def _essay_documents(
     tokenizer: PreTrainedTokenizerBase, n_docs: int, n_tokens: int, seed: int, names: Sequence[str] | None
 ) -> list[tuple[str, torch.Tensor]]:
-    essays = [(name, text) for name, text in essay_texts().items() if names is None or name in names]
+    essays = list(essay_texts(names).items())
     random.Random(seed).shuffle(essays)
     docs: list[tuple[str, torch.Tensor]] = []
     group: list[tuple[str, str]] = []

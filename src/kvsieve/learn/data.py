@@ -33,10 +33,9 @@ class TrainingData:
 
 def essay_windows(tokenizer: PreTrainedTokenizerBase, names: list[str], seq_len: int) -> list[torch.Tensor]:
     """Non-overlapping `seq_len`-token windows of each named essay, each starting as the essay does (BOS kept)."""
-    texts = essay_texts()
     windows = []
-    for name in names:
-        ids = tokenizer(texts[name], return_tensors="pt").input_ids
+    for text in essay_texts(names).values():
+        ids = tokenizer(text, return_tensors="pt").input_ids
         head = ids[:, :1] if ids[0, 0] == tokenizer.bos_token_id else ids[:, :0]
         body = ids[:, head.shape[1] :]
         step = seq_len - head.shape[1]
