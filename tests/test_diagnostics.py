@@ -276,6 +276,8 @@ def test_accuracy_by_rate_puts_full_at_rate_zero():
     for library, policy in [("kvsieve", "snapkv"), ("kvsieve", "random"), ("kvpress", "kvpress:snapkv")]:
         zero = table.loc[(library, policy, 0.0)]
         assert zero["accuracy"] == 1.0 and zero["n"] == 4 and zero["mean_ger"] == 0.0
+    plain = accuracy_by_rate(df.drop(columns="ger_layer"))  # a sweep run without diagnostics
+    assert "mean_ger" not in plain and plain["accuracy"].tolist() == table["accuracy"].tolist()
 
 
 def test_pearson_against_numpy():

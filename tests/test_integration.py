@@ -66,3 +66,25 @@ def test_default_model_h2o_generation_stays_bounded_and_starts_as_the_full_cache
     torch.testing.assert_close(torch.stack(bounded.scores[:80]).nan_to_num(neginf=0.0), same, atol=2e-3, rtol=0)
     assert cache.get_seq_length() == 319 and 256 <= cache.mean_stored() <= 256 + 32
     assert cache.allocated_nbytes() > cache.nbytes(), "the attention sums are counted"
+
+
+@torch.no_grad()
+def test_shipped_gates_load_and_compress_the_default_model(default_model):
+    """The trimkv checkpoint inside the package is found by the model's weights hash and evicts for real."""
+    from kvsieve.learn.checkpoint import load_gates, shipped_checkpoints
+
+    model, tokenizer = default_model
+    assert [folder.name for folder in shipped_checkpoints()] == ["smollm2-135m"]
+    gates = load_gates("default", model)
+    assert gates.shape.layers == tuple(range(30)) and (gates.shape.kv_heads, gates.shape.head_dim) == (3, 64)
+    _, ids = sample_documents(tokenizer, 1, 400, seed=2)[0]
+    full = kvsieve.observe_prefill(model, ids[:, :-1]).cache.nbytes()
+    cache = kvsieve.compress(model, ids[:, :-1], "trimkv+global", rate=0.8)
+    evictable = 399 - 1 - 32
+    kept = sum(n - 33 for layer in cache.stored_lengths() for n in layer)
+    assert kept == 90 * (evictable - round(0.8 * evictable)), "one global budget over 30 layers x 3 kv-heads"
+    assert len({n for layer in cache.stored_lengths() for n in layer}) > 1, "layers and heads keep what they earn"
+    assert cache.nbytes() < 0.4 * full
+    with kvsieve.sieve_attention(model):
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 404)

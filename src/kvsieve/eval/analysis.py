@@ -64,32 +64,30 @@ def with_full_at_rate_zero(df: pd.DataFrame) -> pd.DataFrame:
 
 def accuracy_by_rate(df: pd.DataFrame) -> pd.DataFrame:
     """Per (suite, mode, library, policy, rate): mean score, accuracy, n, hallucination and abstention rates,
-    mean gold log-prob, median gold rank, mean KV bytes, mean seconds and mean GER (`ger_layer`).
+    mean gold log-prob, median gold rank, mean KV bytes, mean seconds and, for a sweep run with
+    diagnostics, mean GER (`ger_layer`).
 
     The full-cache rows appear as rate 0 of every policy's curve (same samples), and as the ``"full"`` curve.
     """
     columns = ["score", "correct", "abstained", "hallucinated", "gold_logprob", "gold_rank", "kv_bytes", "seconds"]
-    _require(df, [*CURVE_KEYS, *SAMPLE_KEYS, "rate", *columns, "ger_layer"], "accuracy_by_rate")
+    _require(df, [*CURVE_KEYS, *SAMPLE_KEYS, "rate", *columns], "accuracy_by_rate")
     rows = with_full_at_rate_zero(df)
     for flag in ("correct", "abstained", "hallucinated"):
         rows[flag] = rows[flag].astype(float)
-    table = (
-        rows.groupby([*CURVE_KEYS, "rate"], sort=True)
-        .agg(
-            mean_score=("score", "mean"),
-            accuracy=("correct", "mean"),
-            n=("correct", "size"),
-            hallucination_rate=("hallucinated", "mean"),
-            abstention_rate=("abstained", "mean"),
-            mean_gold_logprob=("gold_logprob", "mean"),
-            median_gold_rank=("gold_rank", "median"),
-            mean_kv_bytes=("kv_bytes", "mean"),
-            mean_seconds=("seconds", "mean"),
-            mean_ger=("ger_layer", "mean"),
-        )
-        .reset_index()
-    )
-    return table
+    means = {
+        "mean_score": ("score", "mean"),
+        "accuracy": ("correct", "mean"),
+        "n": ("correct", "size"),
+        "hallucination_rate": ("hallucinated", "mean"),
+        "abstention_rate": ("abstained", "mean"),
+        "mean_gold_logprob": ("gold_logprob", "mean"),
+        "median_gold_rank": ("gold_rank", "median"),
+        "mean_kv_bytes": ("kv_bytes", "mean"),
+        "mean_seconds": ("seconds", "mean"),
+    }
+    if "ger_layer" in rows:
+        means["mean_ger"] = ("ger_layer", "mean")
+    return rows.groupby([*CURVE_KEYS, "rate"], sort=True).agg(**means).reset_index()
 
 
 def pearson(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> float:

@@ -144,7 +144,7 @@ def train_gates(
             torch.autograd.backward(terms["loss"], inputs=list(gates.parameters()))
             optimizer.step()
             step, seconds = step + 1, seconds + time.perf_counter() - start
-            bar.update(task, completed=step, kl=float(terms["kl"]), cap=float(terms["capacity"]))
+            bar.update(task, completed=step, kl=terms["kl"].item(), cap=terms["capacity"].item())
             if step % config.save_every == 0 or step == config.steps:
                 state = {"gates": gates.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
                 torch.save(state | {"seconds": seconds, "config": dataclasses.asdict(config)}, out / STATE_FILE)
