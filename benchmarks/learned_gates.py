@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 import kvsieve
@@ -32,6 +33,8 @@ from kvsieve.cli import progress_bar
 from kvsieve.data import essay_split, sample_documents, task_samples
 from kvsieve.eval import run_ppl
 from kvsieve.eval.analysis import accuracy_by_rate, against_full
+from kvsieve.eval.perplexity import PplResult
+from kvsieve.eval.stats import bootstrap_delta_ci, pooled_delta_pct
 from kvsieve.eval.streaming import run_streaming, streaming_documents
 from kvsieve.eval.sweep import run_sweep
 from kvsieve.report import markdown_table, ppl_markdown, stream_markdown
@@ -56,8 +59,10 @@ def stage_ppl(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dic
     policies = [*LEARNED, *HEURISTICS]
     with progress_bar("perplexity, held-back essays") as progress:
         result = run_ppl(model, documents, policies, [0.5, 0.7, 0.8, 0.9], progress=progress)
-    report = result.to_json() | {"seconds": result.seconds}
-    return report, ppl_markdown(report, by_policy=True)
+    paired = _paired_rows(result)
+    nll = {f"{policy}@{rate}": values for (policy, rate), values in result.nll.items()}
+    report = result.to_json() | {"paired": paired, "nll": nll | {"full": result.nll_full}}
+    return report, ppl_markdown(report, by_policy=True) + "\n\n" + _paired_markdown(paired)
 
 
 def stage_tasks(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:
@@ -103,6 +108,29 @@ def stage_crossover(model: Any, tokenizer: Any, args: argparse.Namespace) -> tup
     rows = pd.concat(frames, ignore_index=True)
     claim = pd.concat([against_full(part).assign(length=n) for n, part in rows.groupby("length")], ignore_index=True)
     return {"claim": claim.to_dict("records")}, _claim_markdown(claim, extra=["length", "policy"])
+
+
+def _paired_rows(result: PplResult) -> list[dict]:
+    """The claimant against each heuristic on the same documents: pooled PPL change, paired bootstrap over documents."""
+    out = []
+    for rate in result.rates:
+        mine = np.array(result.nll[CLAIMANT, rate])
+        for heuristic in HEURISTICS:
+            theirs = np.array(result.nll[heuristic, rate])
+            lo, hi = bootstrap_delta_ci(mine, theirs, result.tokens)
+            delta = pooled_delta_pct(mine, theirs, result.tokens)
+            out.append({"rate": rate, "against": heuristic, "delta_pct": delta, "ci95": [lo, hi]})
+    return out
+
+
+def _paired_markdown(paired: list[dict]) -> str:
+    table = pd.DataFrame(paired)
+    header = ["rate", *(f"{CLAIMANT} vs {h}" for h in HEURISTICS)]
+    body = [
+        [f"{rate:.0%}", *(f"{r.delta_pct:+.2f}% [{r.ci95[0]:+.2f}, {r.ci95[1]:+.2f}]" for r in rows.itertuples())]
+        for rate, rows in table.groupby("rate", sort=True)
+    ]
+    return markdown_table(header, body)
 
 
 def _curve_markdown(curves: pd.DataFrame) -> str:
