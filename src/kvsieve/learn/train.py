@@ -35,8 +35,8 @@ class TrainConfig:
     Attributes:
         budget: `M`, entries per (layer, kv-head) the capacity hinge aims for.
         steps: optimiser steps (one sequence each). The default fits the 40-minute budget on 2 CPU cores for
-            the default model: a step at 1,024 tokens takes 12-13 s there (5 s at 512, where not every
-            task prompt fits).
+            the default model: a step at 1,024 tokens takes about 11 s there (the shipped gates: 1,724 s for
+            160 steps; about 5 s at 512, where not every task prompt fits).
         seq_len: tokens per training sequence.
         lam: weight of the capacity hinge.
         capacity: ``"global"`` (one budget over every layer and head, DBTrimKV) or ``"head"`` (TRIM-KV).
