@@ -25,7 +25,7 @@ from rich.table import Table
 
 import kvsieve
 from kvsieve.data import long_context
-from kvsieve.eval.perplexity import continuation_nll
+from kvsieve.eval.respond import continuation_nll
 
 RESULTS = Path(__file__).parent / "results"
 CONTINUATION = 512
@@ -55,7 +55,8 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, feed: torch.Tensor, args:
         seconds.append(time.perf_counter() - tick)
     peaks.remove()
     kv_mib = cache.nbytes() / (1 << 20)
-    nll = continuation_nll(model, cache, feed)[0]  # appends the continuation to the cache
+    with kvsieve.sieve_attention(model):
+        nll = continuation_nll(model, cache, feed)[0]  # appends the continuation to the cache
     return {
         "chunk": chunk,
         "peak_entries_per_head": peaks.peak,
@@ -77,7 +78,8 @@ def main() -> None:
     text = long_context(tokenizer, args.prompt + CONTINUATION + 1)
     ids, feed = text[:, : args.prompt], text[:, args.prompt : args.prompt + CONTINUATION + 1]
     full = kvsieve.observe_prefill(model, ids).cache
-    full_ppl = math.exp(continuation_nll(model, full, feed)[0] / CONTINUATION)
+    with kvsieve.sieve_attention(model):
+        full_ppl = math.exp(continuation_nll(model, full, feed)[0] / CONTINUATION)
     rows = [measure(model, ids, feed, args, None)]
     rows += [measure(model, ids, feed, args, int(c)) for c in args.chunks.split(",")]
     one_shot = rows[0]["prefill_s"]

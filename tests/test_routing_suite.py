@@ -185,6 +185,29 @@ def test_multi_entity_distractors_share_the_attribute():
         assert found[sample.meta["entity"]] == sample.answers[0]
 
 
+@pytest.mark.parametrize("family", ROUTING_FAMILIES)
+def test_candidates_are_the_distractors_values_of_the_asked_relation(family):
+    tok = tiny_tokenizer()
+    for sample in samples(family):
+        encoded = encode(sample, tok, chat=False)
+        assert [ids[0].tolist() for ids in encoded.candidate_ids] == [
+            tok(c, add_special_tokens=False).input_ids for c in sample.candidates
+        ]
+        covered = sorted({i for a, b in encoded.evidence_spans for i in range(a, b)})
+        assert covered == encoded.evidence_positions.tolist()
+        if family not in ("multi_entity", "hops"):
+            assert sample.candidates == ()
+            continue
+        relation = RELATIONS[sample.meta["relation"]]
+        pattern = statement_regex(relation.statement, f"(?P<who>{NAME})", f"(?P<who>{NAME})'s")
+        stated = [m["value"] for m in pattern.finditer(sample.context)]
+        assert sample.candidates and sample.gold not in sample.candidates
+        assert all(c.startswith(" ") and c.strip() in sample.context for c in sample.candidates)
+        # every other value the asked relation has in the context, once each
+        assert sorted(c.strip() for c in sample.candidates) == sorted(v for v in stated if v != sample.answers[0])
+        assert len(sample.candidates) == sample.meta["distractors"]
+
+
 def test_multi_presence_one_mention_holds_the_answer():
     for sample in samples("multi_presence"):
         name = sample.meta["entity"]

@@ -11,7 +11,7 @@ import pytest
 
 from kvsieve.data import haystack as hs
 from kvsieve.data.ruler import RULER_TASKS, ruler_samples, zeta, zipf_counts
-from kvsieve.data.sample import TaskSample, encode, token_count
+from kvsieve.data.sample import TaskSample, encode, merge_spans, token_count
 from tokenizer import tiny_tokenizer
 
 #: Target lengths for the tiny tokenizer (its merges are few, so vt/cwe/uuid needles cost many tokens).
@@ -152,6 +152,40 @@ def test_evidence_positions_decode_to_the_evidence(task: str) -> None:
         assert all(text in decoded for text in spans)
         # little more than the evidence: at most a few boundary characters per span
         assert len(decoded) <= sum(len(t) for t in spans) + 3 * len(spans)
+
+
+@pytest.mark.parametrize("task", RULER_TASKS)
+def test_candidates_are_the_unasked_needles_values(task: str) -> None:
+    tok = tiny_tokenizer()
+    for sample in samples(task):
+        enc = encode(sample, tok)
+        assert [ids[0].tolist() for ids in enc.candidate_ids] == [
+            tok(c, add_special_tokens=False).input_ids for c in sample.candidates
+        ]
+        if not task.startswith("niah_multikey"):
+            assert sample.candidates == ()  # no needle with another key, or several answers at once
+            continue
+        asked = niah_expected(sample)
+        others = {value for _, _, value in NEEDLE_RE.findall(sample.context)} - asked
+        assert sample.candidates and sample.gold not in sample.candidates
+        assert len(set(sample.candidates)) == len(sample.candidates)
+        assert all(c.startswith(" ") and c.strip() in sample.context for c in sample.candidates)
+        assert {c.strip() for c in sample.candidates} == others
+        if task == "niah_multikey_1":
+            assert len(sample.candidates) == 3  # the three inserted needles with other keys
+        else:  # the needle haystack: every line is a distractor needle
+            assert len(sample.candidates) == sample.meta["haystack_units"]
+
+
+@pytest.mark.parametrize("task", RULER_TASKS)
+def test_evidence_spans_cover_the_evidence_positions(task: str) -> None:
+    tok = tiny_tokenizer()
+    for sample in samples(task):
+        enc = encode(sample, tok)
+        assert len(enc.evidence_spans) == len(merge_spans(sample.evidence))
+        assert all(0 <= a < b <= enc.context_length for a, b in enc.evidence_spans)
+        covered = sorted({i for a, b in enc.evidence_spans for i in range(a, b)})
+        assert covered == enc.evidence_positions.tolist()
 
 
 # ---------------------------------------------------------------- task specifics

@@ -6,7 +6,14 @@ import random
 
 import pytest
 
-from kvsieve.data.sample import TaskSample, char_spans_to_tokens, encode, merge_spans, prompt_texts
+from kvsieve.data.sample import (
+    TaskSample,
+    char_spans_to_token_ranges,
+    char_spans_to_tokens,
+    encode,
+    merge_spans,
+    prompt_texts,
+)
 from tokenizer import tiny_tokenizer
 
 
@@ -43,6 +50,11 @@ def test_char_spans_to_tokens_against_brute_force():
         )
         brute = [i for i, (ts, te) in enumerate(offsets) if te > ts and any(ts < e and s < te for s, e in spans)]
         assert char_spans_to_tokens(offsets, spans).tolist() == brute
+        ranges = []
+        for s, e in merge_spans(spans):
+            hits = [i for i, (ts, te) in enumerate(offsets) if te > ts and ts < e and s < te]
+            ranges += [(hits[0], hits[-1] + 1)] if hits else []
+        assert char_spans_to_token_ranges(offsets, spans) == tuple(ranges)
     assert merge_spans(((5, 9), (0, 3), (2, 4), (9, 10))) == [(0, 4), (5, 10)]
 
 
@@ -73,7 +85,22 @@ def test_encode_chat_template_shifts_evidence():
     encoded = encode(s, tok_chat)
     assert (encoded.context_ids[0] == tok.bos_token_id).sum() == 1  # the template's BOS, not a second one
     assert "1234567" in tok.decode(encoded.context_ids[0, encoded.evidence_positions])
+    [(start, end)] = encoded.evidence_spans  # shifted by the template's opening, as the positions are
+    assert list(range(start, end)) == encoded.evidence_positions.tolist()
     assert prompt_texts(s, tok_chat, chat=False) == prompt_texts(s, tok)
+
+
+def test_candidates_are_encoded_like_the_gold():
+    tok = tiny_tokenizer()
+    s = sample(candidates=(" 7654321", " apple"))
+    encoded = encode(s, tok)
+    assert len(encoded.candidate_ids) == 2
+    for text, ids in zip(s.candidates, encoded.candidate_ids, strict=True):
+        assert ids.shape == (1, len(tok(text, add_special_tokens=False).input_ids))
+        assert tok.decode(ids[0]) == text
+    assert encode(sample(), tok).candidate_ids == ()
+    # the same context: spans and positions do not depend on the candidates
+    assert encoded.evidence_spans == encode(sample(), tok).evidence_spans
 
 
 def test_bad_samples_are_refused():
@@ -81,3 +108,6 @@ def test_bad_samples_are_refused():
         sample(evidence=((0, 10_000),))
     with pytest.raises(ValueError, match="at least one expected answer"):
         sample(answers=())
+    for candidates in ((" 1234567",), ("",), (" 1", " 1")):
+        with pytest.raises(ValueError, match="candidates must be distinct"):
+            sample(candidates=candidates)

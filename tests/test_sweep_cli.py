@@ -88,3 +88,33 @@ def test_report_without_results(tmp_path):
     result = runner.invoke(app, ["report", str(tmp_path)])
     assert result.exit_code == 2
     assert "holds no sweep rows" in " ".join(result.output.split())
+
+
+def test_diagnose_writes_the_page_and_report_renders_it(model_dir, tmp_path):
+    out = tmp_path / "diagnostic"
+    args = ["diagnose", "--model", str(model_dir), "--tasks", "hops,niah_multikey_1", "--scalars", "snapkv,vatp"]
+    args += ["--rates", "0.9", "--samples", "1", "--length", "512", "--modes", "agnostic", "--out", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in (out / "diagnostic.jsonl").read_text().splitlines()]
+    assert {r["policy"] for r in rows} >= {"full", "importance", "snapkv", "vatp", "caote:projection=chunk"}
+    page = (out / "diagnostic.md").read_text()
+    for heading in ("raise the margin over attention mass", "Failure modes", "The fixes", "A worked case"):
+        assert heading in page
+    (out / "diagnostic.md").unlink()
+    again = runner.invoke(app, ["report", str(out)])
+    assert again.exit_code == 0, again.output
+    assert (out / "diagnostic.md").read_text() == page
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--scalars", "nonsense"], "unknown policy 'nonsense'"),
+        (["--contract", "sideways"], "unknown budget allocator"),
+    ],
+)
+def test_diagnose_bad_input(args, message, tmp_path):
+    result = runner.invoke(app, ["diagnose", "--out", str(tmp_path), *args])
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())

@@ -9,6 +9,7 @@ from .generation import generate
 from .models import ModelNotFoundError, load_model
 from .observe import Needs, Observation, Prefill, observe_cache, observe_prefill
 from .policy import Policy, known_policies, make_policy
+from .spans import sentence_spans
 
 __version__ = "0.1.0"
 
@@ -38,5 +39,6 @@ __all__ = [
     "make_policy",
     "observe_cache",
     "observe_prefill",
+    "sentence_spans",
     "sieve_attention",
 ]

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Protocol
 
 import torch
 
@@ -18,6 +19,7 @@ from .errors import PolicyError
 from .growth import DEFAULT_BUFFER, BoundedGrowth
 from .observe import Observation, Prefill, check_input_ids, observe_prefill
 from .policy import DEFAULT_N_SINK, DEFAULT_SLIDING_WINDOW, Policy, make_policy
+from .projection import MISSING_SPANS
 from .sliding import layer_windows
 
 
@@ -61,6 +63,7 @@ def compress(
     budget: str | None = None,
     question_ids: torch.Tensor | None = None,
     protect_positions: torch.Tensor | None = None,
+    spans: torch.Tensor | None = None,
     **policy_params: object,
 ) -> SievedCache:
     """Prefill `input_ids` and return a cache that holds what the budget allows of each sequence.
@@ -98,12 +101,21 @@ def compress(
         budget: the allocator (``uniform``, ``pyramid``, ``adaptive``, ``global``) if `policy` names none.
         question_ids: `[batch, q]` tokens of the question, for question-aware compression (unpadded rows).
         protect_positions: token positions (counted over each sequence's real tokens) never to evict.
-        policy_params: scorer and allocator parameters and `n_sink` / `sliding_window`.
+        spans: the spans ``projection=sentence`` keeps whole: a span id (e.g. the sentence number,
+            `kvsieve.sentence_spans`) per token position, `[tokens]` (counted over each
+            sequence's real tokens, the same for every row) or `[batch, tokens]` (the shape of
+            `input_ids`, padding columns ignored). Positions past the spans (a question, generated
+            tokens) are spans of their own. Other projections ignore it.
+        policy_params: scorer and allocator parameters, `n_sink` / `sliding_window` and the
+            projection (`projection`: ``topk``, ``chunk``, ``sentence``; `chunk_size` for ``chunk``).
     """
     limit = make_budget(rate, max_tokens, max_bytes)
     resolved = make_policy(policy, budget=budget, **policy_params)
     check_input_ids(model, input_ids)
     refuse_unevictable(model, limit)
+    row_spans = spans_per_row(spans, input_ids, attention_mask)
+    if resolved.projector.needs_spans and row_spans is None:
+        raise PolicyError(MISSING_SPANS)
     if question_ids is not None:
         input_ids, protected = _with_question(model, input_ids, attention_mask, question_ids, resolved.sliding_window)
         protect_positions = protected if protect_positions is None else torch.cat([protect_positions, protected])
@@ -111,13 +123,13 @@ def compress(
     growth = None
     if chunk is not None or buffer is not None:
         sized = max_tokens is not None or max_bytes is not None
-        _check_bounded(sized, buffer, chunk, attention_mask, protect_positions)
-        growth = BoundedGrowth.of(resolved, limit, chunk or buffer, model, protect_positions)
+        _check_bounded(sized, buffer, chunk, attention_mask, protect_positions, spans)
+        growth = BoundedGrowth.of(resolved, limit, chunk or buffer, model, protect_positions, row_spans)
     first = input_ids if chunk is None else input_ids[:, :chunk]
     prefill = observe_prefill(model, first, resolved.needs, attention_mask=attention_mask)
     if growth is not None:
         growth.start(prefill)
-    cache = prefill.cache.keep(_keep_rows(prefill, resolved, limit, protect_positions))
+    cache = prefill.cache.keep(_keep_rows(prefill, resolved, limit, protect_positions, row_spans))
     if growth is not None:
         if chunk is not None and input_ids.shape[1] > chunk:
             _feed_chunks(model, cache, growth, input_ids[:, chunk:], chunk)
@@ -126,22 +138,48 @@ def compress(
 
 
 def _keep_rows(
-    prefill: Prefill, policy: Policy, limit: Budget, protect: torch.Tensor | None
+    prefill: Prefill,
+    policy: Policy,
+    limit: Budget,
+    protect: torch.Tensor | None,
+    spans: Sequence[torch.Tensor] | None = None,
 ) -> list[list[list[torch.Tensor]]]:
     """Stored indices every row of `prefill` keeps; a policy error names the row of a batch.
 
-    A byte budget pays for the sliding-window layers' windows first (`Budget.reserve`).
+    A byte budget pays for the sliding-window layers' windows first (`Budget.reserve`). `spans`:
+    each row's span ids over its real tokens (`spans_per_row`).
     """
     limit = limit.reserve(prefill.cache.window_nbytes())
     keep = []
     for row, observations in enumerate(prefill.observations):
         try:
-            keep.append(prefill.stored(row, policy.keep_indices(observations, limit, protect)))
+            row_spans = None if spans is None else spans[row]
+            keep.append(prefill.stored(row, policy.keep_indices(observations, limit, protect, row_spans)))
         except PolicyError as err:
             if len(prefill.observations) == 1:
                 raise
             raise PolicyError(f"sequence {row} of the batch: {err}") from None
     return keep
+
+
+def spans_per_row(
+    spans: torch.Tensor | None, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+) -> list[torch.Tensor] | None:
+    """Each sequence's span ids over its real tokens, from `compress`'s `spans` (`[tokens]` or `[batch, tokens]`)."""
+    if spans is None:
+        return None
+    if not isinstance(spans, torch.Tensor) or spans.is_floating_point() or spans.dtype == torch.bool:
+        raise PolicyError("spans must be an integer tensor: a span id per token position")
+    if spans.ndim == 1:
+        return [spans] * input_ids.shape[0]
+    if spans.shape != input_ids.shape:
+        raise PolicyError(
+            f"spans must have shape [tokens] or the shape of input_ids {tuple(input_ids.shape)}, "
+            f"got {tuple(spans.shape)}"
+        )
+    if attention_mask is None:
+        return list(spans)
+    return [row[real.to(row.device).bool()] for row, real in zip(spans, attention_mask, strict=True)]
 
 
 def refuse_unevictable(model: torch.nn.Module, budget: Budget) -> None:
@@ -158,7 +196,12 @@ def refuse_unevictable(model: torch.nn.Module, budget: Budget) -> None:
 
 
 def _check_bounded(
-    sized: bool, buffer: int | None, chunk: int | None, attention_mask: torch.Tensor | None, protect: object
+    sized: bool,
+    buffer: int | None,
+    chunk: int | None,
+    attention_mask: torch.Tensor | None,
+    protect: object,
+    spans: object = None,
 ) -> None:
     """A clear error for a buffer or a chunked prefill that cannot be honoured."""
     if not sized:
@@ -172,6 +215,11 @@ def _check_bounded(
         raise PolicyError(
             "protect_positions with a buffer take unpadded prompts (positions stay protected during generation, "
             "and padding shifts them per row); compress padded rows one at a time"
+        )
+    if padded and spans is not None:
+        raise PolicyError(
+            "spans with a buffer take unpadded prompts (they are read again at every eviction during generation, "
+            "and padding shifts positions per row); compress padded rows one at a time"
         )
 
 
@@ -264,11 +312,13 @@ def refuse_beams(model: torch.nn.Module, generate_kwargs: dict, what: str) -> No
 @dataclass(frozen=True)
 class Eviction:
     """One eviction of a prefill: a policy (None: keep everything), a budget (a rate, or `kvsieve.budget`'s
-    `MaxTokens` / `MaxBytes`) and positions never to evict."""
+    `MaxTokens` / `MaxBytes`), positions never to evict and the sequence's spans (`[n_tokens]`, a span id
+    per token position, for ``projection=sentence``; see `Policy.keep_indices`)."""
 
     policy: str | Policy | None
     budget: float | Budget = 0.0
     protect_positions: torch.Tensor | None = None
+    spans: torch.Tensor | None = None
 
     def keep_indices(self, observations: Sequence[Observation], reserved: int = 0) -> list[list[torch.Tensor]]:
         """Per observed layer and kv-head, the entries to keep; `reserved`: bytes per sequence of the
@@ -276,10 +326,16 @@ class Eviction:
         if self.policy is None:
             return [[torch.arange(o.length) for _ in range(o.num_kv_heads)] for o in observations]
         budget = as_budget(self.budget).reserve(reserved)
-        return make_policy(self.policy).keep_indices(observations, budget, self.protect_positions)
+        return make_policy(self.policy).keep_indices(observations, budget, self.protect_positions, self.spans)
 
 
-def evictions(prefill: Prefill, plans: Sequence[Eviction], row: int = 0) -> SievedCache:
+class EvictionPlan(Protocol):
+    """Anything that says which observed entries of one sequence to keep (`Eviction`, or a variant of one)."""
+
+    def keep_indices(self, observations: Sequence[Observation], reserved: int = 0) -> list[list[torch.Tensor]]: ...
+
+
+def evictions(prefill: Prefill, plans: Sequence[EvictionPlan], row: int = 0) -> SievedCache:
     """One cache whose row `i` is sequence `row` of `prefill` evicted by `plans[i]`.
 
     "Prefill once, sieve many" in one batch: a sweep decodes every (policy, rate) of a sample in
@@ -312,7 +368,11 @@ class EvictionConfig:
 
     def __post_init__(self) -> None:
         make_budget(self.eviction_rate, self.max_tokens, self.max_bytes)
-        self.policy()  # validates the mode and the protection
+        if self.policy().projector.needs_spans:  # also validates the mode and the protection
+            raise PolicyError(
+                f"eviction_mode {self.eviction_mode!r}: projection=sentence needs spans, which generate() cannot "
+                "take; use kvsieve.compress(..., spans=...) and decode from its cache"
+            )
         if self.sized:
             check_count("buffer", self.buffer)
 

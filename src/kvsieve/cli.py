@@ -25,7 +25,18 @@ from .data.sample import TaskSample
 from .data.suites import resolve_tasks, task_samples
 from .eval import run_ppl
 from .eval.analysis import accuracy_by_rate
-from .eval.contenders import Contender, parse_contenders
+from .eval.contenders import parse_contenders
+from .eval.contract_diagnostic import (
+    ATTENTION_MASS,
+    DIAGNOSTIC_TASKS,
+    SCALARS,
+    Contract,
+    default_scalars,
+    diagnostic_methods,
+    run_diagnostic,
+)
+from .eval.diagnostic_tables import worked_case
+from .eval.methods import CacheMethod, KvsievePolicy
 from .eval.perplexity import Progress as ProgressCallback
 from .eval.streaming import (
     BUCKET,
@@ -36,7 +47,7 @@ from .eval.streaming import (
     plan_streaming,
     streaming_documents,
 )
-from .eval.sweep import check_modes, run_sweep, sample_survival
+from .eval.sweep import check_modes, run_sweep, sample_key, sample_survival
 from .growth import DEFAULT_BUFFER
 from .learn.data import training_data
 from .learn.losses import CAPACITIES
@@ -45,6 +56,7 @@ from .models import DEFAULT_MODEL, load_model
 from .observe import observe_prefill
 from .policy import make_policy, split_policies
 from .report import markdown_table, plot_ppl, plot_stream_ppl, ppl_markdown, ppl_table, stream_table
+from .report.diagnostic_page import DIAGNOSTIC_FILE, DIAGNOSTIC_MANIFEST, WORKED_MAP, write_diagnostic_page
 from .report.figures import plot_eviction_map
 from .report.html import MANIFEST_FILE, RESULTS_FILE, accuracy_pivot, write_report
 from .scorers import SCORERS
@@ -327,13 +339,13 @@ def demo(
     console.print(f"wrote {out / 'report.md'}, {out / 'ppl.json'}, {out / 'ppl.png'}, {out / 'tasks' / 'report.html'}")
 
 
-def _map_path(folder: Path, sample: TaskSample, mode: str, contender: Contender, rate: float) -> Path:
+def _map_path(folder: Path, sample: TaskSample, mode: str, contender: CacheMethod, rate: float) -> Path:
     name = f"{sample.task}-{sample.index}-{mode}-{contender.name}-{rate:g}"
     return folder / (re.sub(r"[^A-Za-z0-9._+=-]", "_", name) + ".png")
 
 
 def write_eviction_map(
-    model: Any, tokenizer: Any, sample: TaskSample, contender: Contender, rate: float, mode: str, path: Path
+    model: Any, tokenizer: Any, sample: TaskSample, contender: CacheMethod, rate: float, mode: str, path: Path
 ) -> Path:
     survival, evidence = sample_survival(model, tokenizer, sample, contender, rate, mode)
     title = f"{sample.task} #{sample.index}, {contender.name} at {rate:.0%} ({mode}); evidence marked"
@@ -405,10 +417,55 @@ def sweep(
 
 
 @app.command()
-def report(folder: Annotated[Path, typer.Argument(help="a folder written by `kvsieve sweep`")]) -> None:
-    """Turn a sweep folder into one HTML page with the tables and figures."""
+def diagnose(
+    tasks: Annotated[str, typer.Option(help="tasks or suites (ruler, routing), comma-separated")] = DIAGNOSTIC_TASKS,
+    scalars: Annotated[
+        str | None, typer.Option(help="ranking scalars swapped into the contract (default: all; trimkv with gates)")
+    ] = None,
+    rates: Annotated[str, typer.Option(help="comma-separated eviction rates in [0, 1)")] = "0.5,0.75,0.9",
+    contract: Annotated[str, typer.Option(help="the fixed rest of a policy: allocator[:parameters]")] = "uniform",
+    samples: Annotated[int, typer.Option(min=1, help="samples per task")] = 5,
+    length: Annotated[int, typer.Option(min=128, help="prompt tokens per sample")] = 1024,
+    modes: Annotated[str, typer.Option(help="agnostic, aware, or agnostic,aware")] = "agnostic,aware",
+    seed: Annotated[int, typer.Option(help="sample generation")] = 0,
+    out: Annotated[Path, typer.Option(help="results folder (a rerun resumes)")] = Path("results/diagnostic"),
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
+) -> None:
+    """Why a policy fails: margins, failure modes and fixes under one fixed contract (arXiv 2605.08234)."""
+    task_names = _parsed("--tasks", lambda: resolve_tasks(tasks))
+    fixed = Contract(contract)
+    scalar_list = [s.strip() for s in (scalars or ",".join(SCALARS)).split(",") if s.strip()]
+    _parsed("--scalars", lambda: diagnostic_methods(scalar_list, fixed))
+    rate_list = _parsed("--rates", lambda: [check_rate(r) for r in _split(rates, float)])
+    mode_list = _parsed("--modes", lambda: check_modes([m.strip() for m in modes.split(",") if m.strip()]))
+    lm, tokenizer = load_model(model)
+    scalar_list = scalar_list if scalars else default_scalars(lm)
+    items = task_samples(task_names, tokenizer, length=length, n=samples, seed=seed)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {"model": model or "smollm2-135m", "tasks": task_names, "scalars": scalar_list, "rates": rate_list}
+    settings |= {"modes": mode_list, "contract": contract, "samples": samples, "length": length, "seed": seed}
+    (out / DIAGNOSTIC_MANIFEST).write_text(json.dumps(settings, indent=2))
+    with progress_bar("diagnose: one prefill per case, every contract evicts from it") as progress:
+        rows = run_diagnostic(
+            lm, tokenizer, items, scalar_list, rate_list, mode_list, contract=fixed,
+            results=out / DIAGNOSTIC_FILE, progress=progress,
+        )  # fmt: skip
+    case = worked_case(rows)
+    if case is not None:
+        failure = case[case["scalar"] & (case["policy"] == ATTENTION_MASS)].iloc[0]
+        sample = next(s for s in items if sample_key(s) == failure["sample"])
+        method = KvsievePolicy(fixed.policy(ATTENTION_MASS))
+        write_eviction_map(lm, tokenizer, sample, method, failure["rate"], failure["mode"], out / WORKED_MAP)
+    console.print(f"wrote {write_diagnostic_page(out)}")
+
+
+@app.command()
+def report(
+    folder: Annotated[Path, typer.Argument(help="a folder written by `kvsieve sweep` or `kvsieve diagnose`")],
+) -> None:
+    """Turn a sweep folder into one HTML page with the tables and figures (a diagnostic folder into diagnostic.md)."""
     try:
-        page = write_report(folder)
+        page = write_diagnostic_page(folder) if (folder / DIAGNOSTIC_FILE).exists() else write_report(folder)
     except FileNotFoundError as err:
         raise typer.BadParameter(str(err), param_hint="FOLDER") from None
     console.print(f"wrote {page}")

@@ -30,8 +30,10 @@ import torch
 
 from .budget import SizeBudget, check_count
 from .cache import SievedCache
+from .errors import PolicyError
 from .observe import Observation, Prefill, Statistics, cached_observations, layer_statistics
 from .policy import Policy
+from .projection import MISSING_SPANS
 from .rotary import Rotary, find_rotary
 
 #: Tokens a bounded cache may grow past its budget before it is evicted back to it.
@@ -95,6 +97,8 @@ class BoundedGrowth:
         queries: the recent queries the policy's scorer reads (None if it reads none).
         rotary: the model's rotary embedding, if the scorer reads it.
         protect: cache positions never evicted (a question), besides the policy's sinks and window.
+        spans: per sequence, the span id of every cache position (``projection=sentence``; positions
+            past them, such as generated tokens, are spans of their own).
     """
 
     policy: Policy
@@ -104,9 +108,12 @@ class BoundedGrowth:
     queries: RecentQueries | None = None
     rotary: Rotary | None = None
     protect: torch.Tensor | None = None
+    spans: Sequence[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         check_count("buffer", self.buffer)
+        if self.policy.projector.needs_spans and self.spans is None:
+            raise PolicyError(MISSING_SPANS)
 
     @property
     def accumulates(self) -> bool:
@@ -121,12 +128,14 @@ class BoundedGrowth:
         buffer: int,
         model: torch.nn.Module,
         protect: torch.Tensor | None = None,
+        spans: Sequence[torch.Tensor] | None = None,
     ) -> BoundedGrowth:
         """A bounded growth that keeps what the policy's scorer reads (`start` it from a prefill, if any)."""
         needs = policy.needs
         queries = RecentQueries(needs.window) if needs.window else None
         rotary = find_rotary(model) if needs.rotary else None
-        return cls(policy, budget, buffer, layer_statistics(model, needs), queries, rotary, protect)
+        spans = None if spans is None else tuple(spans)
+        return cls(policy, budget, buffer, layer_statistics(model, needs), queries, rotary, protect, spans)
 
     def start(self, prefill: Prefill) -> None:
         """Take the recent queries and the attention sums from the prefill the cache is compressed from.
@@ -153,8 +162,11 @@ class BoundedGrowth:
     def evict(self, cache: SievedCache) -> None:
         """Evict every sequence of `cache` back to the budget."""
         budget = self.budget.reserve(cache.window_nbytes())  # sliding-window layers' bytes come first
-        rows = range(cache.batch_size)
-        cache.evict([self.policy.keep_indices(self.observations(cache, row), budget, self.protect) for row in rows])
+        keep = []
+        for row in range(cache.batch_size):
+            spans = None if self.spans is None else self.spans[row]
+            keep.append(self.policy.keep_indices(self.observations(cache, row), budget, self.protect, spans))
+        cache.evict(keep)
 
     def observations(self, cache: SievedCache, row: int) -> list[Observation]:
         """What the scorer reads for one sequence: the entries the cache holds and the recent queries."""

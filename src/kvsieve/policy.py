@@ -8,10 +8,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .allocators import ALLOCATORS, Allocator, Uniform, keep_indices
+from .allocators import ALLOCATORS, Allocator, Uniform
 from .budget import Budget, Rate, as_budget
 from .errors import PolicyError
 from .observe import Needs, Observation
+from .projection import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_PROJECTION,
+    MISSING_SPANS,
+    Projection,
+    check_spans,
+    make_projection,
+)
 from .scorers import SCORERS, Scorer
 
 DEFAULT_N_SINK = 1
@@ -47,21 +55,31 @@ def _non_defaults(obj: object) -> list[str]:
 
 @dataclass(frozen=True)
 class Policy:
-    """Which entries to keep: a scorer, an allocator and the protection rule.
+    """Which entries to keep: a scorer, an allocator, the protection rule and a projection.
 
     A budget (`kvsieve.budget`: a rate of the evictable, unprotected entries, or a size) sets how
     many entries stay; every allocator keeps the same total, so policies under one budget hold the
-    same bytes.
+    same bytes. The projection (`kvsieve.projection`) picks each (layer, kv-head)'s entries from its
+    scores and its count: ``topk`` (entry by entry), ``chunk`` (whole chunks of `chunk_size` token
+    positions, ChunkKV, arXiv 2502.00299) or ``sentence`` (whole caller-given spans).
     """
 
     scorer: Scorer
     allocator: Allocator = field(default_factory=Uniform)
     n_sink: int = DEFAULT_N_SINK
     sliding_window: int = DEFAULT_SLIDING_WINDOW
+    projection: str = DEFAULT_PROJECTION
+    chunk_size: int = DEFAULT_CHUNK_SIZE
 
     def __post_init__(self) -> None:
         if self.n_sink < 0 or self.sliding_window < 0:
             raise PolicyError("n_sink and sliding_window must be >= 0")
+        make_projection(self.projection, self.chunk_size)  # validates both
+
+    @property
+    def projector(self) -> Projection:
+        """The projection named by `projection` (with `chunk_size` for ``chunk``)."""
+        return make_projection(self.projection, self.chunk_size)
 
     @property
     def name(self) -> str:
@@ -82,13 +100,21 @@ class Policy:
         observations: Sequence[Observation],
         budget: float | Budget,
         protect_positions: torch.Tensor | None = None,
+        spans: torch.Tensor | None = None,
     ) -> list[list[torch.Tensor]]:
         """Indices of the observed entries of one sequence to keep, per observed (full-attention) layer and kv-head.
 
         `budget` is a `kvsieve.budget` budget, or an eviction rate; a byte budget must already have
-        set aside what sliding-window layers hold (`Budget.reserve`).
+        set aside what sliding-window layers hold (`Budget.reserve`). `spans` (`[n_tokens]`, a span id
+        per token position of the sequence, e.g. its sentence number) is what ``projection=sentence``
+        keeps whole; positions past its end are spans of their own. Other projections ignore it.
+        Each head keeps exactly the allocator's count of evictable entries (`kvsieve.projection`).
         """
         budget = as_budget(budget)
+        projector = self.projector
+        check_spans(spans)
+        if projector.needs_spans and spans is None:
+            raise PolicyError(MISSING_SPANS)
         if not observations:
             if budget == Rate(0.0):
                 return []
@@ -107,10 +133,18 @@ class Policy:
                     f"expected {(o.num_kv_heads, o.length)}"
                 )
         counts = self.allocator.counts(scores, evictable, shares, calibrated=self.scorer.calibrated)
-        return [keep_indices(*args) for args in zip(scores, protected, evictable, counts, strict=True)]
+        return [
+            projector.select(s, p, e, c, o.positions, spans)
+            for o, s, p, e, c in zip(observations, scores, protected, evictable, counts, strict=True)
+        ]
 
 
-_POLICY_DEFAULTS = {"n_sink": DEFAULT_N_SINK, "sliding_window": DEFAULT_SLIDING_WINDOW}
+_POLICY_DEFAULTS = {
+    "n_sink": DEFAULT_N_SINK,
+    "sliding_window": DEFAULT_SLIDING_WINDOW,
+    "projection": DEFAULT_PROJECTION,
+    "chunk_size": DEFAULT_CHUNK_SIZE,
+}
 
 
 def _convert(value: str, like: object, key: str) -> object:
@@ -135,7 +169,8 @@ def make_policy(spec: str | Policy, budget: str | None = None, **params: object)
         spec: e.g. ``"snapkv"``, ``"snapkv+adaptive:window=32"``, ``"importance+global:calibration=zscore"``.
         budget: the allocator (``uniform``, ``pyramid``, ``adaptive``, ``global``), if not in `spec`.
         params: override the spec's; keys are the scorer's and the allocator's fields plus
-            `n_sink` and `sliding_window`.
+            `n_sink`, `sliding_window`, `projection` (``topk``, ``chunk``, ``sentence``) and
+            `chunk_size` (for ``chunk``), e.g. ``"snapkv+global:projection=chunk,chunk_size=16"``.
     """
     if isinstance(spec, Policy):
         if params or budget is not None:

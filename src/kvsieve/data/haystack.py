@@ -172,17 +172,24 @@ def essay_haystack(tokenizer: PreTrainedTokenizerBase, n_tokens: int) -> str:
     return _fit_units(essay_units, SENTENCE_SEP, tokenizer, n_tokens, len(essay_words()))
 
 
+def needle_items(
+    count: int, seed: int, key_type: str = "words", value_type: str = "numbers", exclude: frozenset[str] = frozenset()
+) -> list[tuple[str, str]]:
+    """The `(key, value)` pairs of `needle_units`: random keys (never one of `exclude`); prefix-stable in `count`."""
+    rng = random.Random(seed)
+    items: list[tuple[str, str]] = []
+    while len(items) < count:
+        key, value = random_item(rng, key_type), random_item(rng, value_type)
+        if key not in exclude:
+            items.append((key, value))
+    return items
+
+
 def needle_units(
     count: int, seed: int, key_type: str = "words", value_type: str = "numbers", exclude: frozenset[str] = frozenset()
 ) -> list[str]:
     """`count` distractor needles with random keys (never one of `exclude`) and values; prefix-stable in `count`."""
-    rng = random.Random(seed)
-    lines = []
-    while len(lines) < count:
-        key, value = random_item(rng, key_type), random_item(rng, value_type)
-        if key not in exclude:
-            lines.append(needle_sentence(key, value, value_type))
-    return lines
+    return [needle_sentence(k, v, value_type) for k, v in needle_items(count, seed, key_type, value_type, exclude)]
 
 
 def needle_haystack(

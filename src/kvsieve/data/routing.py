@@ -329,7 +329,10 @@ class _Block:
 
 @dataclass(frozen=True)
 class _Plan:
-    """A sample before its filler: the fact blocks and the question."""
+    """A sample before its filler: the fact blocks and the question.
+
+    `candidates`: the values the distractor statements give the asked relation (bare, like `answers`).
+    """
 
     blocks: tuple[_Block, ...]
     question: str
@@ -338,6 +341,7 @@ class _Plan:
     abstain_ok: bool = False
     max_new_tokens: int = 16
     meta: dict[str, Any] = field(default_factory=dict)
+    candidates: tuple[str, ...] = ()
 
 
 def _spread_depths(
@@ -415,7 +419,8 @@ def _plan_multi_entity(rng: random.Random, index: int, seed: int) -> _Plan:
     )
     question, prefix = relation.ask(*_named(names[asked]))
     meta = {"relation": relation.name, "entity": names[asked], "distractors": len(names) - 1, "hops": 1}
-    return _Plan(blocks, question, (values[asked],), prefix, meta=meta)
+    others = tuple(v for i, v in enumerate(values) if i != asked)  # the other people's values of the relation
+    return _Plan(blocks, question, (values[asked],), prefix, meta=meta, candidates=others)
 
 
 def _is_abstain(index: int, seed: int) -> bool:
@@ -501,7 +506,10 @@ def _plan_hops(rng: random.Random, index: int, seed: int) -> _Plan:
         "chain": (*(k.name for k in kinships), end.name),
         "distractors": len(decoys),
     }
-    return _Plan(tuple(blocks), question, (values[-1],), prefix, max_new_tokens=24, meta=meta)
+    # the decoys' values: what following the chain one hop (or two) too few answers
+    return _Plan(
+        tuple(blocks), question, (values[-1],), prefix, max_new_tokens=24, meta=meta, candidates=tuple(values[:-1])
+    )
 
 
 _PLANNERS: dict[str, Callable[[random.Random, int, int], _Plan]] = {
@@ -629,6 +637,7 @@ def _sample_with(plan: _Plan, family: str, index: int, words: list[str]) -> Task
     context, evidence, depths = _assemble(words, plan.blocks)
     evidence_depths = [start / len(context) for start, _ in evidence]
     answer = plan.answers[0]
+    candidates = tuple(f" {c}" for c in plan.candidates)
     return TaskSample(
         task=family,
         suite="routing",
@@ -637,6 +646,7 @@ def _sample_with(plan: _Plan, family: str, index: int, words: list[str]) -> Task
         question=plan.question,
         answers=plan.answers,
         gold=f" {answer}",
+        candidates=candidates,
         evidence=evidence,
         answer_prefix=plan.answer_prefix,
         abstain_ok=plan.abstain_ok,

@@ -218,18 +218,29 @@ def _niah(task: str, index: int, rng: random.Random, length: int) -> tuple[Build
     answers = tuple(v for q in queried for v in values[q])
     inserts: list[Piece] = [(hs.needle_sentence(keys[k], values[k][v], cfg.value_type), str(k)) for k, v in needles]
     relevant = {str(q) for q in queried}
+    # values of the needles with keys that are not asked about (multikey: the other inserted needles)
+    unasked = [v for k in range(n_keys) if k not in queried for v in values[k]]
 
-    def units(size: int) -> list[str]:
+    def units(size: int) -> tuple[list[str], list[str]]:
+        """The haystack's units and the values of the distractor needles among them."""
         if cfg.haystack == "essay":
-            return hs.essay_units(size)
+            return hs.essay_units(size), []
         if cfg.haystack == "noise":
-            return hs.noise_units(size)
-        return hs.needle_units(size, distractor_seed, cfg.key_type, cfg.value_type, frozenset(keys))
+            return hs.noise_units(size), []
+        items = hs.needle_items(size, distractor_seed, cfg.key_type, cfg.value_type, frozenset(keys))
+        return [hs.needle_sentence(k, v, cfg.value_type) for k, v in items], [v for _, v in items]
+
+    def competing(haystack_values: list[str]) -> tuple[str, ...]:
+        """Every other value in the context, written as `gold` is (a single asked value only)."""
+        if not single:
+            return ()
+        return tuple(f" {v}" for v in dict.fromkeys(unasked + haystack_values) if v not in answers)
 
     sep = hs.SENTENCE_SEP if cfg.haystack == "essay" else hs.LINE_SEP
 
     def build(size: int) -> TaskSample:
-        text, spans = join_pieces(insert_at(units(size), inserts, fractions), sep, offset=len(preamble))
+        haystack, haystack_values = units(size)
+        text, spans = join_pieces(insert_at(haystack, inserts, fractions), sep, offset=len(preamble))
         context = preamble + text
         return _sample(
             task,
@@ -240,6 +251,7 @@ def _niah(task: str, index: int, rng: random.Random, length: int) -> tuple[Build
             answer_prefix=prefix,
             answers=answers,
             gold=" " + ", ".join(answers),
+            candidates=competing(haystack_values),
             max_new_tokens=cfg.max_new_tokens,
             meta={
                 "haystack": cfg.haystack,

@@ -30,6 +30,9 @@ class TaskSample:
         answers: every one of these must appear in the output (case-insensitive) to score 100.
         gold: the gold answer as it follows `answer_prefix` (usually starting with a space);
             teacher-forced after the prompt for its log-probability and rank.
+        candidates: competing answers (the values of distractors, e.g. other needles' values), written
+            exactly as `gold` is (as they follow `answer_prefix`, usually with a leading space); never
+            the gold itself. Empty where a task has no distractor with a value of the asked kind.
         evidence: `(start, end)` character spans of `context` the answer depends on.
         answer_prefix: the start of the answer, written after the question (RULER-style), e.g.
             ``"The special magic number for apple is:"``.
@@ -45,6 +48,7 @@ class TaskSample:
     question: str
     answers: tuple[str, ...]
     gold: str
+    candidates: tuple[str, ...] = ()
     evidence: tuple[tuple[int, int], ...] = ()
     answer_prefix: str = ""
     abstain_ok: bool = False
@@ -57,6 +61,8 @@ class TaskSample:
                 raise ValueError(f"{self.task}#{self.index}: evidence span {(start, end)} is outside the context")
         if not self.answers:
             raise ValueError(f"{self.task}#{self.index}: a sample needs at least one expected answer")
+        if self.gold in self.candidates or "" in self.candidates or len(set(self.candidates)) < len(self.candidates):
+            raise ValueError(f"{self.task}#{self.index}: candidates must be distinct, non-empty and not the gold")
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,10 @@ class EncodedSample:
         gold_ids: `[1, g]`, no special tokens.
         gold_content_index: the first gold token that is not whitespace (the one whose rank is reported).
         evidence_positions: sorted token positions in the context that overlap an evidence span.
+        candidate_ids: one `[1, c]` per `sample.candidates`, tokenized as `gold_ids` is.
+        evidence_spans: per merged evidence character span (`merge_spans`, in order), the half-open range
+            `(start, end)` of the context tokens overlapping it (`char_spans_to_token_ranges`); their
+            union is `evidence_positions` (neighbouring ranges may share a token that straddles a gap).
     """
 
     sample: TaskSample
@@ -77,6 +87,8 @@ class EncodedSample:
     gold_ids: torch.Tensor
     evidence_positions: torch.Tensor
     gold_content_index: int = 0
+    candidate_ids: tuple[torch.Tensor, ...] = ()
+    evidence_spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def context_length(self) -> int:
@@ -106,6 +118,26 @@ def char_spans_to_tokens(offsets: list[tuple[int, int]], spans: tuple[tuple[int,
     last = torch.searchsorted(starts, tok[:, 1].contiguous(), side="left") - 1
     hit = (last >= 0) & (ends[last.clamp(min=0)] > tok[:, 0]) & (tok[:, 1] > tok[:, 0])
     return hit.nonzero().flatten()
+
+
+def char_spans_to_token_ranges(
+    offsets: list[tuple[int, int]], spans: tuple[tuple[int, int], ...]
+) -> tuple[tuple[int, int], ...]:
+    """Per merged span of `spans` (in order), `(first, last + 1)` of the tokens whose offsets overlap it.
+
+    Spans that no token overlaps are left out; a token straddling two neighbouring spans lies in both
+    ranges. Offsets are those of one tokenized text (non-decreasing; special tokens are empty).
+    """
+    merged = merge_spans(spans)
+    tok = torch.tensor(offsets, dtype=torch.long).reshape(-1, 2)
+    real = (tok[:, 1] > tok[:, 0]).nonzero().flatten()
+    if not merged or real.numel() == 0:
+        return ()
+    # the first real token ending after a span starts, and the first starting at or after it ends
+    first = torch.searchsorted(tok[real, 1].contiguous(), torch.tensor([s for s, _ in merged]), side="right")
+    after = torch.searchsorted(tok[real, 0].contiguous(), torch.tensor([e for _, e in merged]), side="left")
+    pairs = zip(first.tolist(), after.tolist(), strict=True)
+    return tuple((int(real[a]), int(real[b - 1]) + 1) for a, b in pairs if a < b)
 
 
 #: Marks where the user's text goes when a chat template is rendered.
@@ -147,6 +179,9 @@ def encode(sample: TaskSample, tokenizer: PreTrainedTokenizerBase, chat: bool | 
     gold = tokenizer(sample.gold, add_special_tokens=False).input_ids
     if not question or not gold:
         raise ValueError(f"{sample.task}#{sample.index}: the question and the gold answer must not be empty")
+    candidates = [tokenizer(c, add_special_tokens=False).input_ids for c in sample.candidates]
+    if not all(candidates):
+        raise ValueError(f"{sample.task}#{sample.index}: a candidate answer tokenizes to nothing")
     spans = tuple((start + shift, end + shift) for start, end in sample.evidence)
     return EncodedSample(
         sample=sample,
@@ -155,15 +190,18 @@ def encode(sample: TaskSample, tokenizer: PreTrainedTokenizerBase, chat: bool | 
         gold_ids=torch.tensor([gold], dtype=torch.long),
         evidence_positions=char_spans_to_tokens(context.offset_mapping, spans),
         gold_content_index=next((i for i, t in enumerate(gold) if tokenizer.decode([t]).strip()), 0),
+        candidate_ids=tuple(torch.tensor([ids], dtype=torch.long) for ids in candidates),
+        evidence_spans=char_spans_to_token_ranges(context.offset_mapping, spans),
     )
 
 
 def prompt_tokens(sample: TaskSample, tokenizer: PreTrainedTokenizerBase, chat: bool | None = None) -> int:
     """Tokens of the whole prompt (context + question) as `encode` produces it (for sizing samples).
 
-    The evidence does not change the ids; it is dropped only to skip mapping spans to tokens.
+    Evidence and candidates do not change the ids; they are dropped only to skip mapping spans to
+    tokens and tokenizing the candidates.
     """
-    encoded = encode(replace(sample, evidence=()), tokenizer, chat)
+    encoded = encode(replace(sample, evidence=(), candidates=()), tokenizer, chat)
     return encoded.context_length + int(encoded.question_ids.shape[1])
 
 

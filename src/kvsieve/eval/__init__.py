@@ -1,6 +1,8 @@
-"""Evaluation: perplexity degradation, streaming perplexity and task sweeps (DESIGN §4), routing diagnostics."""
+"""Evaluation: perplexity degradation, streaming perplexity and task sweeps (DESIGN §4), routing diagnostics,
+gold-answer margins."""
 
 from .answers import judge, string_match
+from .margins import Margin, margins
 from .perplexity import PplResult, run_ppl
 from .routing import RoutingDiagnostics, diagnose, global_eviction_ratio, survival_from_cache
 from .stats import bootstrap_delta_ci, pooled_delta_pct
@@ -9,6 +11,7 @@ from .sweep import MODES, run_sweep
 
 __all__ = [
     "MODES",
+    "Margin",
     "PplResult",
     "RoutingDiagnostics",
     "StreamResult",
@@ -16,6 +19,7 @@ __all__ = [
     "diagnose",
     "global_eviction_ratio",
     "judge",
+    "margins",
     "pooled_delta_pct",
     "run_ppl",
     "run_streaming",

@@ -1,43 +1,18 @@
-"""What a task sweep compares: the full cache, kvsieve policies and (optionally) kvpress presses."""
+"""What an evaluation compares, from policy specs: the full cache, kvsieve policies and kvpress presses."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from ..policy import Policy, PolicyError, make_policy, split_policies
-
-FULL = "full"
-KVPRESS_PREFIX = "kvpress:"
+from ..policy import PolicyError, make_policy, split_policies
+from .methods import FULL, KVPRESS_PREFIX, CacheMethod, FullCache, KvpressPress, KvsievePolicy
 
 
-@dataclass(frozen=True)
-class Contender:
-    """One column of a sweep.
-
-    Attributes:
-        name: ``"full"``, a kvsieve policy's canonical spec, or ``"kvpress:<press>"``.
-        library: ``"kvsieve"`` or ``"kvpress"``.
-        policy: the kvsieve policy (None for the full cache and kvpress).
-        press: the kvpress press name (None otherwise).
-    """
-
-    name: str
-    library: str
-    policy: Policy | None = None
-    press: str | None = None
-
-    @property
-    def is_full(self) -> bool:
-        return self.name == FULL
-
-
-def parse_contenders(specs: str | list[str]) -> list[Contender]:
-    """Contenders from policy specs (``"snapkv+adaptive:window=16,random,kvpress:snapkv"`` or a list).
+def parse_contenders(specs: str | list[str]) -> list[CacheMethod]:
+    """Methods from policy specs (``"snapkv+adaptive:window=16,random,kvpress:snapkv"`` or a list).
 
     The full cache is always first, whether named or not; duplicates are refused.
     """
     items = split_policies(specs) if isinstance(specs, str) else list(specs)
-    out = [Contender(FULL, "kvsieve")]
+    out: list[CacheMethod] = [FullCache()]
     for spec in items:
         if spec == FULL:
             continue
@@ -47,10 +22,9 @@ def parse_contenders(specs: str | list[str]) -> list[Contender]:
             press = spec.removeprefix(KVPRESS_PREFIX)
             if press not in KVPRESS_PRESSES:
                 raise PolicyError(f"unknown kvpress press {press!r}; known: {', '.join(KVPRESS_PRESSES)}")
-            out.append(Contender(spec, "kvpress", press=press))
+            out.append(KvpressPress(press))
         else:
-            policy = make_policy(spec)
-            out.append(Contender(policy.name, "kvsieve", policy=policy))
+            out.append(KvsievePolicy(make_policy(spec)))
     names = [c.name for c in out]
     if len(set(names)) != len(names):
         raise PolicyError(f"policies must be distinct, got {', '.join(names[1:])}")

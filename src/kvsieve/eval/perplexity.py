@@ -11,7 +11,6 @@ every document.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import operator
 import time
@@ -22,14 +21,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from ..apply import Eviction, evictions
-from ..attention import sieve_attention
 from ..budget import check_rate
-from ..cache import SievedCache
-from ..observe import Needs, observe_prefill
+from ..observe import Needs
 from ..policy import Policy, make_policy
+from .methods import Case, FullCache, KvsievePolicy, build
 from .stats import bootstrap_delta_ci, pooled_delta_pct, pooled_ppl
 
 #: Called after each (document, configuration) with (done, total).
@@ -93,24 +89,6 @@ class PplResult:
         }
 
 
-@torch.no_grad()
-def continuation_nll(model: torch.nn.Module, cache: SievedCache, ids: torch.Tensor) -> list[float]:
-    """Per row of `cache`: the sum of NLL of `ids[:, 1:]` when `ids[:, :-1]` is fed after it, teacher-forced."""
-    feed = ids.expand(cache.batch_size, -1)
-    with sieve_attention(model):
-        logits = model(input_ids=feed[:, :-1], past_key_values=cache, use_cache=True).logits
-    nll = F.cross_entropy(logits.float().transpose(1, 2), feed[:, 1:], reduction="none")
-    return nll.sum(dim=1).tolist()
-
-
-def per_document_policy(policy: Policy, doc_index: int) -> Policy:
-    """Seeded scorers draw fresh randomness for every document."""
-    if dataclasses.is_dataclass(policy.scorer) and any(f.name == "seed" for f in dataclasses.fields(policy.scorer)):
-        scorer = dataclasses.replace(policy.scorer, seed=policy.scorer.seed * 10_007 + doc_index)
-        return dataclasses.replace(policy, scorer=scorer)
-    return policy
-
-
 def run_ppl(
     model: torch.nn.Module,
     documents: Sequence[tuple[str, torch.Tensor]],
@@ -130,17 +108,17 @@ def run_ppl(
         reprefill: re-run the prefill for every configuration and feed them one at a time, as a
             library that compresses during the prefill must (for timing; the numbers are the same).
     """
-    resolved = [make_policy(p) for p in policies]
+    methods = [KvsievePolicy(make_policy(p)) for p in policies]
     rates = [check_rate(r) for r in rates]
     if rows_per_pass < 1:
         raise ValueError(f"rows_per_pass must be >= 1, got {rows_per_pass}")
     for name, ids in documents:
         if ids.shape[-1] < prefix + continuation + 1:
             raise ValueError(f"document {name!r} has {ids.shape[-1]} tokens, needs {prefix + continuation + 1}")
-    names = [p.name for p in resolved]
+    names = [m.name for m in methods]
     if len(set(names)) != len(names):
         raise ValueError(f"policy names must be distinct, got {names}")
-    needs = functools.reduce(operator.or_, (p.needs for p in resolved), Needs())
+    needs = functools.reduce(operator.or_, (m.needs for m in methods), Needs())
     result = PplResult(names, list(rates), prefix, continuation, [name for name, _ in documents])
     timers = {"prefill": 0.0, "evict": 0.0, "continuation": 0.0}
 
@@ -151,31 +129,28 @@ def run_ppl(
         timers[stage] += time.perf_counter() - tick
 
     # in order of rate: a batch is read padded to its widest row, so rows of a batch should be alike
-    configurations = [(None, 0.0), *sorted(((p, r) for p in resolved for r in rates), key=lambda c: c[1])]
+    configurations = [(FullCache(), 0.0), *sorted(((m, r) for m in methods for r in rates), key=lambda c: c[1])]
     total, done = len(documents) * len(configurations), 0
     group = 1 if reprefill else rows_per_pass
     start = time.perf_counter()
     for doc_index, (_, ids) in enumerate(documents):
-        context, feed = ids[:, :prefix], ids[:, prefix : prefix + continuation + 1]
-        with timed("prefill"):
-            prefill = observe_prefill(model, context, needs)
+        case = Case(ids[:, :prefix], prefix, doc_index, needs)
         for first in range(0, len(configurations), group):
             batch = configurations[first : first + group]
-            if reprefill and first:
-                with timed("prefill"):
-                    prefill = observe_prefill(model, context, needs)
-            plans = [Eviction(None if p is None else per_document_policy(p, doc_index), rate) for p, rate in batch]
+            case = case.fresh() if reprefill else case
+            with timed("prefill"):
+                case.prefill(model)
             with timed("evict"):
-                cache = evictions(prefill, plans)
+                compressed = build(model, case, batch)
             with timed("continuation"):
-                nll = continuation_nll(model, cache, feed)
-            for row, ((policy, rate), value) in enumerate(zip(batch, nll, strict=True)):
-                if policy is None:
+                nll = compressed.continuation_nll(model, ids[:, prefix : prefix + continuation + 1])
+            for (method, rate), value, kv_bytes in zip(batch, nll, compressed.kv_bytes, strict=True):
+                if method.is_full:
                     result.nll_full.append(value)
-                    result.kv_bytes_full.append(cache.row_nbytes(row))
+                    result.kv_bytes_full.append(kv_bytes)
                 else:
-                    result.nll.setdefault((policy.name, rate), []).append(value)
-                    result.kv_bytes.setdefault((policy.name, rate), []).append(cache.row_nbytes(row))
+                    result.nll.setdefault((method.name, rate), []).append(value)
+                    result.kv_bytes.setdefault((method.name, rate), []).append(kv_bytes)
             done += len(batch)
             if progress:
                 progress(done, total)

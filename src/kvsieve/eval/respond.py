@@ -10,6 +10,7 @@ import copy
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import Cache
 
 from ..cache import SievedCache
@@ -49,6 +50,17 @@ def feed(model: torch.nn.Module, cache: Cache, ids: torch.Tensor, max_feed: int 
         for i in range(0, ids.shape[1], step)
     ]
     return torch.cat(chunks, dim=1) if chunks else torch.empty(ids.shape[0], 0)
+
+
+@torch.no_grad()
+def continuation_nll(
+    model: torch.nn.Module, cache: Cache, ids: torch.Tensor, max_feed: int | None = None
+) -> list[float]:
+    """Per row of `cache`: the summed NLL of `ids[:, 1:]` when `ids[:, :-1]` is fed after it, teacher-forced."""
+    rows = ids.expand(rows_of(cache), -1)
+    logits = feed(model, cache, rows[:, :-1], max_feed)
+    nll = F.cross_entropy(logits.float().transpose(1, 2), rows[:, 1:], reduction="none")
+    return nll.sum(dim=1).tolist()
 
 
 def _until_stop(tokens: torch.Tensor, stop: list[int]) -> torch.Tensor:

@@ -39,8 +39,9 @@ from ..data.essays import essay_texts
 from ..data.haystack import LINE_SEP, needle_units
 from ..growth import DEFAULT_BUFFER
 from ..policy import Policy
-from .contenders import Contender, parse_contenders
-from .perplexity import Progress, per_document_policy
+from .contenders import parse_contenders
+from .methods import CacheMethod, KvpressPress, KvsievePolicy, reseeded
+from .perplexity import Progress
 from .stats import bootstrap_delta_ci, bootstrap_ppl_ci, pooled_delta_pct, pooled_ppl
 
 #: The protocol's budgets: entries per (layer, kv-head) on average.
@@ -401,7 +402,7 @@ def _check_budgets(budgets: Sequence[int]) -> list[int]:
 
 @torch.no_grad()
 def _preflight(
-    model: torch.nn.Module, contenders: Sequence[Contender], budget: int, buffer: int, ids: torch.Tensor
+    model: torch.nn.Module, contenders: Sequence[CacheMethod], budget: int, buffer: int, ids: torch.Tensor
 ) -> None:
     """Fail in seconds, not hours: build every press and evict once with every policy at the smallest budget.
 
@@ -410,9 +411,9 @@ def _preflight(
     from ..compare.kvpress import make_decoding_press
 
     for contender in contenders:
-        if contender.press is not None:
+        if isinstance(contender, KvpressPress):
             make_decoding_press(contender.press, budget, buffer)
-        elif contender.policy is not None:
+        elif isinstance(contender, KvsievePolicy):
             protected = contender.policy.n_sink + contender.policy.sliding_window
             probe = ids[:1, : max(budget, protected) + buffer + 1]  # holds every protected entry when evicting
             cache = bounded_cache(model, contender.policy, max_tokens=budget, buffer=buffer)
@@ -424,18 +425,18 @@ def _preflight(
 def _trace(
     model: torch.nn.Module,
     ids: torch.Tensor,
-    contender: Contender,
+    contender: CacheMethod,
     budget: int | None,
     buffer: int,
     context_limit: int,
     first_doc: int,
     tick: Callable[[], None],
 ) -> StreamTrace:
-    if contender.press is not None:
+    if isinstance(contender, KvpressPress):
         return press_trace(model, ids, contender.press, budget, buffer, seed=first_doc, tick=tick)
-    if contender.policy is None:
+    if not isinstance(contender, KvsievePolicy):
         return sieved_trace(model, ids, None, None, buffer, fed=context_limit, tick=tick)
-    policy = per_document_policy(contender.policy, first_doc)  # seeded scorers draw afresh per batch
+    policy = reseeded(contender.policy, first_doc)  # seeded scorers draw afresh per batch
     return sieved_trace(model, ids, policy, budget, buffer, tick=tick)
 
 
@@ -445,7 +446,7 @@ class StreamPlan:
 
     doc_names: list[str]
     ids: torch.Tensor
-    configurations: list[tuple[Contender, int | None]]
+    configurations: list[tuple[CacheMethod, int | None]]
     buffer: int
     bucket: int
     rows_per_pass: int
@@ -504,9 +505,9 @@ def plan_streaming(
     press_budgets = budgets if press_budgets is None else _check_budgets(press_budgets)
     ids = _check_documents(documents, max(budgets + press_budgets))
     _preflight(model, contenders, min(budgets + press_budgets), buffer, ids)
-    configurations: list[tuple[Contender, int | None]] = [(contenders[0], None)]
+    configurations: list[tuple[CacheMethod, int | None]] = [(contenders[0], None)]
     for contender in contenders[1:]:
-        configurations += [(contender, b) for b in (press_budgets if contender.press is not None else budgets)]
+        configurations += [(contender, b) for b in (press_budgets if isinstance(contender, KvpressPress) else budgets)]
     limit = min(ids.shape[1], model.config.max_position_embeddings)
     return StreamPlan([name for name, _ in documents], ids, configurations, buffer, bucket, rows_per_pass, limit)
 

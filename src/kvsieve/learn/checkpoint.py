@@ -91,6 +91,15 @@ def shipped_checkpoints() -> list[Path]:
     return sorted(p for p in SHIPPED.glob("*") if (p / CONFIG_FILE).is_file()) if SHIPPED.is_dir() else []
 
 
+def shipped_gates_for(model: torch.nn.Module) -> Path | None:
+    """The shipped checkpoint trained for `model` (found by its weights hash), or None."""
+    fingerprint = model_fingerprint(model)
+    for folder in shipped_checkpoints():
+        if json.loads((folder / CONFIG_FILE).read_text())["train"]["model_hash"] == fingerprint:
+            return folder
+    return None
+
+
 def check_shape(gates: RetentionGates, model: torch.nn.Module) -> None:
     """A clear error unless the gates cover `model`'s full-attention layers, kv-heads and head dimension."""
     have, want = gates.shape, gate_shape(model, gates.shape.width)
@@ -115,11 +124,8 @@ def load_gates(source: str | Path, model: torch.nn.Module) -> RetentionGates:
             return RetentionGates(gate_shape(model)).to(device).eval().requires_grad_(False)
     fingerprint = model_fingerprint(model)
     if str(source) == DEFAULT_GATES:
-        for folder in shipped_checkpoints():
-            if json.loads((folder / CONFIG_FILE).read_text())["train"]["model_hash"] == fingerprint:
-                source = folder
-                break
-        else:
+        source = shipped_gates_for(model)
+        if source is None:
             raise GateCheckpointError(
                 f"kvsieve ships no retention gates for this {type(model).__name__} (weights hash {fingerprint}); "
                 "train them with `kvsieve train-gates --model ... --out DIR` and use the policy 'trimkv:gates=DIR'"

@@ -1,0 +1,51 @@
+"""A results log: rows appended to a JSONL file as they are made, so an interrupted run resumes where it stopped."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import Any
+
+Row = dict[str, Any]
+
+
+def read_rows(path: Path) -> list[Row]:
+    """The rows of a results file (a partly written last line, from an interrupted run, is dropped)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+class ResultsLog:
+    """Every row of a run, old and new; `path=None` keeps them in memory only.
+
+    Args:
+        path: the JSONL file; the rows it holds are read back, new rows are appended.
+        key: what identifies a row (a rerun skips the keys it already holds).
+    """
+
+    def __init__(self, path: str | Path | None, key: Callable[[Row], Hashable]) -> None:
+        self.path = Path(path) if path is not None else None
+        self.key = key
+        self.rows = read_rows(self.path) if self.path else []
+        self.done = {key(r) for r in self.rows}
+        if self.path and self.path.exists() and self.path.stat().st_size and not self.path.read_bytes().endswith(b"\n"):
+            with self.path.open("a") as f:  # an interrupted write left half a line: new rows start on their own
+                f.write("\n")
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.done
+
+    def append(self, row: Row) -> None:
+        self.rows.append(row)
+        self.done.add(self.key(row))
+        if self.path:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")

@@ -1,0 +1,246 @@
+"""Projections: how one head's scores and keep count become the entries it keeps.
+
+The scorer scores every entry and the allocator sets how many evictable entries each (layer,
+kv-head) keeps; the projection picks them. `topk` keeps the best-scored entries one by one.
+`chunk` (ChunkKV, arXiv 2502.00299) and `sentence` keep whole spans of tokens: fixed-size chunks
+of token positions (`position // chunk_size`), or spans the caller gives (a span id per token
+position, e.g. `kvsieve.sentence_spans`).
+
+Span selection, within one (layer, kv-head): only evictable entries are ranked (protected ones
+are always kept, on top of the head's count). A span's score is the mean score of its evictable
+entries. Spans are taken in order of score (ties: the span whose first entry comes first) while
+they fit whole in what is left of the head's count; a span that does not fit is skipped. If
+entries are left to fill when no unused span fits, the best-ranked unused span gives its
+best-scored entries for exactly the rest, so at most one span per head is cut and the head keeps
+exactly its count. Scores of +-inf rank as such (a span holding both ranks last); NaN is an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+
+from .allocators import keep_indices
+from .errors import PolicyError
+
+DEFAULT_PROJECTION = "topk"
+DEFAULT_CHUNK_SIZE = 8
+
+MISSING_SPANS = (
+    "projection=sentence keeps whole caller-given spans, and none were given: pass spans (a span id per token "
+    "position, e.g. kvsieve.sentence_spans(tokenizer, input_ids)) to kvsieve.compress, Policy.keep_indices or "
+    "Eviction, or use projection=topk or projection=chunk"
+)
+
+
+class Projection(Protocol):
+    """Turns one layer's scores and per-head keep counts into the kept entries of each kv-head."""
+
+    name: ClassVar[str]
+    #: whether `select` reads caller-given `spans` (and refuses to run without them)
+    needs_spans: ClassVar[bool]
+
+    def select(
+        self,
+        scores: torch.Tensor,
+        protected: torch.Tensor,
+        evictable: torch.Tensor,
+        counts: Sequence[int],
+        positions: torch.Tensor,
+        spans: torch.Tensor | None,
+    ) -> list[torch.Tensor]:
+        """Sorted kept indices per kv-head: every protected entry plus exactly `counts[h]` evictable ones.
+
+        Args:
+            scores: `[kv_heads, n]`, higher = keep. protected, evictable: `[kv_heads, n]` bool.
+            counts: evictable entries each kv-head keeps (the allocator's).
+            positions: `[kv_heads, n]` token positions of the entries (`Observation.positions`).
+            spans: `[n_tokens]` span id per token position of the sequence, or None.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class TopK:
+    """The best-scored evictable entries of each head, one by one (`allocators.keep_indices`)."""
+
+    name: ClassVar[str] = "topk"
+    needs_spans: ClassVar[bool] = False
+
+    def select(
+        self,
+        scores: torch.Tensor,
+        protected: torch.Tensor,
+        evictable: torch.Tensor,
+        counts: Sequence[int],
+        positions: torch.Tensor,
+        spans: torch.Tensor | None,
+    ) -> list[torch.Tensor]:
+        return keep_indices(scores, protected, evictable, counts)
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """ChunkKV (arXiv 2502.00299): whole chunks of `chunk_size` token positions (`position // chunk_size`).
+
+    Spans come from the entries' token positions, so an already-evicted (ragged) cache keeps its
+    chunks' surviving entries together. Span selection as in the module docstring.
+    """
+
+    name: ClassVar[str] = "chunk"
+    needs_spans: ClassVar[bool] = False
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+
+    def __post_init__(self) -> None:
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise PolicyError(f"chunk_size must be an integer >= 1, got {self.chunk_size!r}")
+
+    def select(
+        self,
+        scores: torch.Tensor,
+        protected: torch.Tensor,
+        evictable: torch.Tensor,
+        counts: Sequence[int],
+        positions: torch.Tensor,
+        spans: torch.Tensor | None,
+    ) -> list[torch.Tensor]:
+        chunks = positions.div(self.chunk_size, rounding_mode="floor")
+        return span_keep_indices(scores, protected, evictable, counts, chunks)
+
+
+@dataclass(frozen=True)
+class Sentences:
+    """Whole caller-given spans (e.g. sentences): `spans[p]` is the span of token position `p`.
+
+    Positions past the end of `spans` (tokens that came later, such as generated ones) each form
+    their own span. Span selection as in the module docstring.
+    """
+
+    name: ClassVar[str] = "sentence"
+    needs_spans: ClassVar[bool] = True
+
+    def select(
+        self,
+        scores: torch.Tensor,
+        protected: torch.Tensor,
+        evictable: torch.Tensor,
+        counts: Sequence[int],
+        positions: torch.Tensor,
+        spans: torch.Tensor | None,
+    ) -> list[torch.Tensor]:
+        if spans is None:
+            raise PolicyError(MISSING_SPANS)
+        return span_keep_indices(scores, protected, evictable, counts, span_ids(positions, spans))
+
+
+PROJECTIONS: dict[str, type] = {cls.name: cls for cls in (TopK, Chunks, Sentences)}
+
+
+def make_projection(name: str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Projection:
+    """The projection called `name`; `chunk_size` is a parameter of `chunk` only."""
+    if name not in PROJECTIONS:
+        raise PolicyError(f"unknown projection {name!r}; known: {', '.join(PROJECTIONS)}")
+    if name == Chunks.name:
+        return Chunks(chunk_size)
+    if chunk_size != DEFAULT_CHUNK_SIZE:
+        raise PolicyError(f"chunk_size is a parameter of projection=chunk, not of projection={name}")
+    return PROJECTIONS[name]()
+
+
+def check_spans(spans: torch.Tensor | None) -> None:
+    """A clear error for spans that are not a 1-D integer tensor (a span id per token position)."""
+    if spans is None:
+        return
+    if not isinstance(spans, torch.Tensor):
+        raise PolicyError(f"spans must be a 1-D integer tensor (a span id per token position), got {type(spans)}")
+    if spans.ndim != 1 or spans.is_floating_point() or spans.dtype == torch.bool:
+        what = f"a tensor of shape {tuple(spans.shape)} and dtype {spans.dtype}"
+        raise PolicyError(f"spans must be a 1-D integer tensor (a span id per token position), got {what}")
+
+
+def span_ids(positions: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+    """The span id of every entry: `spans[position]`, or a span of its own past the end of `spans`."""
+    spans = spans.to(device=positions.device, dtype=torch.long)
+    n = spans.numel()
+    beyond = positions - n + (int(spans.max()) + 1 if n else 0)
+    if not n:
+        return beyond
+    return torch.where(positions < n, spans[positions.clamp(0, n - 1)], beyond)
+
+
+def span_keep_indices(
+    scores: torch.Tensor, protected: torch.Tensor, evictable: torch.Tensor, counts: Sequence[int], spans: torch.Tensor
+) -> list[torch.Tensor]:
+    """Sorted indices kept per kv-head: every protected entry plus `counts[h]` evictable ones, taken span by span.
+
+    Per head: spans rank by the mean score of their evictable entries (ties: earlier first entry);
+    each that fits whole in what is left of the count is taken, the others skipped; what is left
+    when none fits comes from the best-ranked unused span's best-scored entries (one span cut at most).
+
+    Args:
+        scores: `[kv_heads, n]`, higher = keep. protected, evictable: `[kv_heads, n]` bool.
+        spans: `[kv_heads, n]` the span id of every entry.
+    """
+    if torch.isnan(scores[evictable]).any():
+        raise ValueError("scores must not be NaN")
+    out = []
+    for h, count in enumerate(counts):
+        kept = head_spans(scores[h], evictable[h], spans[h], int(count))
+        out.append(torch.cat([protected[h].nonzero().flatten(), kept]).sort().values)
+    return out
+
+
+def head_spans(scores: torch.Tensor, evictable: torch.Tensor, spans: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the `count` evictable entries one head keeps, by the span selection rule (module docstring)."""
+    index = evictable.nonzero().flatten()
+    if not 0 <= count <= index.numel():
+        raise ValueError(f"cannot keep {count} of {index.numel()} evictable entries")
+    if count in (0, index.numel()):
+        return index[:count]
+    values = scores[index].double()
+    ids, member = torch.unique(spans[index], return_inverse=True)
+    n_spans = ids.numel()
+    size = torch.bincount(member, minlength=n_spans)
+    mean = values.new_zeros(n_spans).index_add_(0, member, values) / size
+    mean = mean.masked_fill(mean.isnan(), float("-inf"))  # a span holding both +inf and -inf
+    entry = torch.arange(index.numel(), device=index.device)
+    first = torch.full_like(size, index.numel()).scatter_reduce_(0, member, entry, "amin")
+    by_first = first.argsort()
+    order = by_first[mean[by_first].sort(descending=True, stable=True).indices]
+    taken, left = fit_spans(size[order].cpu(), count)
+    chosen = torch.zeros(n_spans, dtype=torch.bool, device=index.device)
+    chosen[order[taken.to(index.device)]] = True
+    keep = chosen[member]
+    if left:
+        cut = order[int((~taken).nonzero()[0])]  # the best-ranked unused span
+        inside = (member == cut).nonzero().flatten()
+        keep[inside[values[inside].sort(descending=True, stable=True).indices[:left]]] = True
+    return index[keep]
+
+
+def fit_spans(sizes: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
+    """Walk spans of `sizes` in rank order, taking each that fits whole in what is left of `count`.
+
+    Returns which spans were taken and how many entries are left to fill.
+    """
+    taken = torch.zeros_like(sizes, dtype=torch.bool)
+    left, start = count, 0
+    while left > 0 and start < sizes.numel():
+        rest = sizes[start:]
+        run = int((rest.cumsum(0) <= left).sum())  # the leading spans that fit together
+        if run:
+            taken[start : start + run] = True
+            left -= int(rest[:run].sum())
+            start += run
+            continue
+        fits = (rest <= left).nonzero().flatten()
+        if not fits.numel():
+            break
+        start += int(fits[0])
+        taken[start] = True
+        left -= int(sizes[start])
+        start += 1
+    return taken, left
