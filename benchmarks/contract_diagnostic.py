@@ -20,11 +20,11 @@ from pathlib import Path
 from rich.console import Console
 
 from kvsieve import load_model
-from kvsieve.cli import progress_bar
+from kvsieve.cli import progress_bar, write_worked_map
 from kvsieve.data.suites import task_samples
-from kvsieve.eval.contract_diagnostic import DIAGNOSTIC_TASKS, default_scalars, run_diagnostic
+from kvsieve.eval.contract_diagnostic import DIAGNOSTIC_TASKS, Contract, default_scalars, run_diagnostic
 from kvsieve.eval.diagnostic_tables import failure_mix, fixes, raises_margin
-from kvsieve.report.diagnostic_page import DIAGNOSTIC_FILE, write_diagnostic_page
+from kvsieve.report.diagnostic_page import DIAGNOSTIC_FILE, WORKED_MAP, write_diagnostic_page
 
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results"
@@ -49,6 +49,7 @@ def main() -> None:
             model, tokenizer, samples, scalars, rates, modes, results=RAW / DIAGNOSTIC_FILE, progress=progress
         )
     seconds = time.perf_counter() - start
+    write_worked_map(model, tokenizer, samples, rows, Contract(), RAW)
     page = write_diagnostic_page(RAW)
     summary = {
         "tasks": args.tasks.split(","),
@@ -63,7 +64,10 @@ def main() -> None:
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "contract_diagnostic.json").write_text(json.dumps(summary, indent=2))
-    (RESULTS / "contract_diagnostic.md").write_text(page.read_text())
+    markdown = page.read_text().replace(f"]({WORKED_MAP})", "](contract_diagnostic.png)")
+    (RESULTS / "contract_diagnostic.md").write_text(markdown)
+    if (RAW / WORKED_MAP).exists():
+        (RESULTS / "contract_diagnostic.png").write_bytes((RAW / WORKED_MAP).read_bytes())
     Console().print(page.read_text())
 
 

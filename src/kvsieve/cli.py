@@ -416,6 +416,19 @@ def sweep(
     console.print(f"wrote {out / RESULTS_FILE}; `kvsieve report {out}` makes the HTML page")
 
 
+def write_worked_map(
+    model: Any, tokenizer: Any, items: list[TaskSample], rows: Any, contract: Contract, out: Path
+) -> Path | None:
+    """The eviction map of the report's worked case (attention mass under `contract`), if there is one."""
+    case = worked_case(rows)
+    if case is None:
+        return None
+    failure = case[case["scalar"] & (case["policy"] == ATTENTION_MASS)].iloc[0]
+    sample = next(s for s in items if sample_key(s) == failure["sample"])
+    method = KvsievePolicy(contract.policy(ATTENTION_MASS))
+    return write_eviction_map(model, tokenizer, sample, method, failure["rate"], failure["mode"], out / WORKED_MAP)
+
+
 @app.command()
 def diagnose(
     tasks: Annotated[str, typer.Option(help="tasks or suites (ruler, routing), comma-separated")] = DIAGNOSTIC_TASKS,
@@ -450,12 +463,7 @@ def diagnose(
             lm, tokenizer, items, scalar_list, rate_list, mode_list, contract=fixed,
             results=out / DIAGNOSTIC_FILE, progress=progress,
         )  # fmt: skip
-    case = worked_case(rows)
-    if case is not None:
-        failure = case[case["scalar"] & (case["policy"] == ATTENTION_MASS)].iloc[0]
-        sample = next(s for s in items if sample_key(s) == failure["sample"])
-        method = KvsievePolicy(fixed.policy(ATTENTION_MASS))
-        write_eviction_map(lm, tokenizer, sample, method, failure["rate"], failure["mode"], out / WORKED_MAP)
+    write_worked_map(lm, tokenizer, items, rows, fixed, out)
     console.print(f"wrote {write_diagnostic_page(out)}")
 
 

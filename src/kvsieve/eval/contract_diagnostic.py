@@ -40,7 +40,7 @@ from .forced import ForcedSlots
 from .methods import FULL, CacheMethod, Case, Compressed, FullCache, KvsievePolicy, build
 from .results_log import ResultsLog
 from .routing import evidence_recall, global_eviction_ratio
-from .sweep import check_modes, sample_case, sample_key, split_prompt
+from .sweep import check_modes, sample_case, sample_header, sample_key, split_prompt
 
 #: The reference scalar: accumulated attention mass.
 ATTENTION_MASS = "importance"
@@ -222,20 +222,6 @@ def _case_rows(
     return rows
 
 
-def _header(sample: TaskSample, encoded: EncodedSample, mode: str) -> dict[str, Any]:
-    return {
-        "sample": sample_key(sample),
-        "suite": sample.suite,
-        "task": sample.task,
-        "index": sample.index,
-        "mode": mode,
-        "context_tokens": encoded.context_length,
-        "evidence_tokens": int(encoded.evidence_positions.numel()),
-        "evidence_spans": len(encoded.evidence_spans),
-        "candidates": len(encoded.candidate_ids),
-    }
-
-
 def _run_case(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -248,7 +234,7 @@ def _run_case(
 ) -> None:
     """Every configuration of one case the log does not hold yet: the full cache first, then rate by rate."""
     key, full = sample_key(encoded.sample), FullCache()
-    header = _header(encoded.sample, encoded, mode)
+    header = sample_header(encoded, mode)
     if (key, mode, full.name, 0.0) not in log:
         for row in _case_rows(model, tokenizer, encoded, mode, case, [(full, 0.0)], None, True):
             log.append({**header, "scalar": False, "fix": "", **row})

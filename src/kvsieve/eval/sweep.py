@@ -80,6 +80,22 @@ def split_prompt(encoded: EncodedSample, mode: str) -> tuple[torch.Tensor, torch
     return prompt[:, :-1], prompt
 
 
+def sample_header(encoded: EncodedSample, mode: str) -> dict[str, Any]:
+    """The columns every row of a sample in one mode starts with."""
+    sample = encoded.sample
+    return {
+        "sample": sample_key(sample),
+        "suite": sample.suite,
+        "task": sample.task,
+        "index": sample.index,
+        "mode": mode,
+        "context_tokens": encoded.context_length,
+        "evidence_tokens": int(encoded.evidence_positions.numel()),
+        "evidence_spans": len(encoded.evidence_spans),
+        "candidates": len(encoded.candidate_ids),
+    }
+
+
 def _configurations(methods: Sequence[CacheMethod], rates: Sequence[float]) -> list[Configuration]:
     return [(m, rate) for m in methods for rate in ([0.0] if m.is_full else rates)]
 
@@ -240,20 +256,8 @@ def run_sweep(
                 for (method, _), row in zip(batch, rows, strict=True):
                     # wall time of a configuration: its share of the prefill it evicts from (kvpress prefills itself)
                     share = case.prefill_seconds / shared if method.builder.shares_prefill else 0.0
-                    log.append(
-                        {
-                            "sample": key,
-                            "suite": sample.suite,
-                            "task": sample.task,
-                            "index": sample.index,
-                            "mode": mode,
-                            "context_tokens": encoded.context_length,
-                            "evidence_tokens": int(encoded.evidence_positions.numel()),
-                            "prefill_seconds": case.prefill_seconds,
-                            **row,
-                            "wall_seconds": row["seconds"] + share,
-                        }
-                    )
+                    timing = {"prefill_seconds": case.prefill_seconds}
+                    log.append(sample_header(encoded, mode) | timing | row | {"wall_seconds": row["seconds"] + share})
                 finished += len(batch)
                 if progress:
                     progress(finished, total)
