@@ -1,7 +1,8 @@
 """Evaluation: perplexity degradation, streaming perplexity and task sweeps (DESIGN §4), routing diagnostics,
-gold-answer margins."""
+gold-answer margins and the fixed-contract diagnostic."""
 
 from .answers import judge, string_match
+from .contract_diagnostic import Contract, run_diagnostic
 from .margins import Margin, margins
 from .perplexity import PplResult, run_ppl
 from .routing import RoutingDiagnostics, diagnose, global_eviction_ratio, survival_from_cache
@@ -11,6 +12,7 @@ from .sweep import MODES, run_sweep
 
 __all__ = [
     "MODES",
+    "Contract",
     "Margin",
     "PplResult",
     "RoutingDiagnostics",
@@ -21,6 +23,7 @@ __all__ = [
     "judge",
     "margins",
     "pooled_delta_pct",
+    "run_diagnostic",
     "run_ppl",
     "run_streaming",
     "run_sweep",
