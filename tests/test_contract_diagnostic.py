@@ -260,3 +260,21 @@ def test_tables_on_hand_built_rows():
     table = fixes(rows).set_index("contract")
     assert table.loc["value: vatp", "accuracy"] == pytest.approx(2 / 3)
     assert math.isclose(table.loc["attention mass", "margin"], (-1.0 + 0.5 - 3.0) / 3)
+
+
+@torch.no_grad()
+def test_evicting_exactly_the_evidence_is_missed_evidence(lm, tok):
+    """A hand-built cache without the evidence (every head of every layer): attributed to missed evidence."""
+    encoded = encode(make_sample(0), tok)
+    evidence = encoded.evidence_positions
+    prefill = observe_prefill(lm, encoded.context_ids, Needs(window=1))
+    plan = FixedKeep({h: evidence.tolist() for h in range(lm.config.num_key_value_heads)})
+    survival = survival_from_cache(evictions(prefill, [plan]), encoded.context_length)
+    routes = routed(prefill.observations[0], encoded.context_length)
+    assert routes[:, evidence].any()  # the full cache routes the evidence through some layer
+    assert missed_evidence(survival, routes, evidence)
+    assert span_states(survival, encoded.evidence_spans) == (True, False)
+    assert attribute(missed_evidence(survival, routes, evidence), 1.0, 1.0) == "missed"
+    # the same cache with the evidence back is not missed
+    full = survival_from_cache(evictions(prefill, [FixedKeep({})]), encoded.context_length)
+    assert not missed_evidence(full, routes, evidence)
