@@ -17,14 +17,12 @@ import json
 import time
 from pathlib import Path
 
-from rich.console import Console
-
 from kvsieve import load_model
 from kvsieve.cli import progress_bar, write_worked_map
 from kvsieve.data.suites import task_samples
 from kvsieve.eval.contract_diagnostic import DIAGNOSTIC_TASKS, Contract, default_scalars, run_diagnostic
 from kvsieve.eval.diagnostic_tables import failure_mix, fixes, raises_margin
-from kvsieve.report.diagnostic_page import DIAGNOSTIC_FILE, WORKED_MAP, write_diagnostic_page
+from kvsieve.report.diagnostic_page import DIAGNOSTIC_FILE, DIAGNOSTIC_MANIFEST, WORKED_MAP, write_diagnostic_page
 
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results"
@@ -42,6 +40,9 @@ def main() -> None:
     samples = task_samples(args.tasks, tokenizer, length=args.length, n=args.samples, seed=0)
     rates = [float(r) for r in args.rates.split(",")]
     RAW.mkdir(parents=True, exist_ok=True)
+    settings = {"model": "smollm2-135m", "tasks": args.tasks.split(","), "scalars": default_scalars(model)}
+    settings |= {"rates": rates, "modes": ["agnostic", "aware"], "contract": Contract().spec, "samples": args.samples}
+    (RAW / DIAGNOSTIC_MANIFEST).write_text(json.dumps(settings | {"length": args.length, "seed": 0}, indent=2))
     start = time.perf_counter()
     with progress_bar("contract diagnostic") as progress:
         scalars, modes = default_scalars(model), ("agnostic", "aware")
@@ -68,7 +69,7 @@ def main() -> None:
     (RESULTS / "contract_diagnostic.md").write_text(markdown)
     if (RAW / WORKED_MAP).exists():
         (RESULTS / "contract_diagnostic.png").write_bytes((RAW / WORKED_MAP).read_bytes())
-    Console().print(page.read_text())
+    print(markdown)
 
 
 if __name__ == "__main__":

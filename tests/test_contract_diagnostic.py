@@ -250,6 +250,7 @@ def test_tables_on_hand_built_rows():
             row("b", "vatp", 0.2, 2.0, fix="value: vatp"),
             row("c", "importance", -3.0, -1.0, fix="attention mass"),
             row("c", "vatp", -2.0, -1.0, fix="value: vatp"),
+            row("a", "importance@force=all/importance", 0.5, 2.0, scalar=False, fix="oracle: evidence first"),
         ]
     )
     [raised] = raises_margin(rows).to_dict("records")
@@ -257,6 +258,7 @@ def test_tables_on_hand_built_rows():
     assert raised["non_positive"] == 1.0 and raised["n_non_positive"] == 1
     mix = failure_mix(rows).set_index("policy")
     assert mix.loc["importance", "failures"] == 1 and mix.loc["importance", "missed"] == 1
+    assert mix.loc["importance", "oracle_repairs"] == 1 and mix.loc["vatp", "oracle_repairs"] == 0
     table = fixes(rows).set_index("contract")
     assert table.loc["value: vatp", "accuracy"] == pytest.approx(2 / 3)
     assert math.isclose(table.loc["attention mass", "margin"], (-1.0 + 0.5 - 3.0) / 3)

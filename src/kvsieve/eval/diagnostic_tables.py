@@ -19,6 +19,9 @@ from .stats import bootstrap_mean_ci
 
 CASE = ["sample", "mode", "rate"]
 
+#: The label of the evidence-first oracle among the named contracts.
+ORACLE = FIXES[-1][0]
+
 
 def _share(values: pd.Series) -> tuple[float, float, float, int]:
     """Mean of 0/1 values, its 95% bootstrap interval and the count (NaN when empty)."""
@@ -47,14 +50,19 @@ def raises_margin(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def failure_mix(rows: pd.DataFrame) -> pd.DataFrame:
-    """Per (policy, rate) of the scalars: cases, failures and the count of each failure mode."""
+    """Per (policy, rate) of the scalars: cases, failures, the count of each failure mode, and how many
+    failures the evidence-first oracle repairs (its margin at the same case and rate > 0)."""
     scalars = rows[rows["scalar"]]
+    oracle = rows[rows["fix"] == ORACLE].set_index(CASE)["margin"]
     out = []
     for (policy, rate), group in scalars.groupby(["policy", "rate"]):
-        counts = group["failure"].value_counts()
+        failed = group[group["failure"] != ""]
+        counts = failed["failure"].value_counts()
+        repaired = int((oracle.reindex(failed.set_index(CASE).index) > 0).sum())
         out.append(
-            {"policy": policy, "rate": rate, "cases": len(group), "failures": int((group["failure"] != "").sum())}
+            {"policy": policy, "rate": rate, "cases": len(group), "failures": len(failed)}
             | {mode: int(counts.get(mode, 0)) for mode in MODES_OF_FAILURE}
+            | {"oracle_repairs": repaired}
         )
     return pd.DataFrame(out)
 

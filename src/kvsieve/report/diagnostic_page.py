@@ -9,6 +9,7 @@ from typing import Any
 
 import pandas as pd
 
+from ..eval.attribution import MODES_OF_FAILURE
 from ..eval.contract_diagnostic import ATTENTION_MASS
 from ..eval.diagnostic_tables import failure_mix, fixes, raises_margin, worked_case
 from ..eval.results_log import read_rows
@@ -52,8 +53,9 @@ def raises_markdown(rows: pd.DataFrame) -> str:
 
 def failures_markdown(rows: pd.DataFrame) -> str:
     table = failure_mix(rows)
-    header = ["scalar", "rate", "cases", "failures", "missed", "mis-scored", "broken", "unexplained"]
-    body = [[r["policy"], f"{r['rate']:.0%}", *(str(r[c]) for c in header[2:])] for _, r in table.iterrows()]
+    header = ["scalar", "rate", "cases", "failures", *MODES_OF_FAILURE, "oracle repairs"]
+    columns = ["cases", "failures", *MODES_OF_FAILURE, "oracle_repairs"]
+    body = [[r["policy"], f"{r['rate']:.0%}", *(str(r[c]) for c in columns)] for _, r in table.iterrows()]
     return markdown_table(header, body)
 
 
