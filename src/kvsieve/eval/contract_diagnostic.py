@@ -40,7 +40,7 @@ from .forced import ForcedSlots
 from .methods import FULL, CacheMethod, Case, Compressed, FullCache, KvsievePolicy, build
 from .results_log import ResultsLog
 from .routing import evidence_recall, global_eviction_ratio
-from .sweep import check_modes, sample_case, sample_header, sample_key, split_prompt
+from .sweep import check_modes, row_key, sample_case, sample_header, sample_key, split_prompt
 
 #: The reference scalar: accumulated attention mass.
 ATTENTION_MASS = "importance"
@@ -54,15 +54,15 @@ DIAGNOSTIC_TASKS = "niah_single_2,niah_multikey_1,niah_multivalue,vt,multi_entit
 #: Which kept entries make room for forced evidence in the attribution checks: the least output change.
 SWAP_OUT = CAOTEScorer()
 
-#: The named contracts of the seed's fixes: (label, scalar, projection, forced evidence).
-FIXES: tuple[tuple[str, str, str, bool], ...] = (
-    ("attention mass", "importance", "topk", False),
-    ("evidence: window attention", "snapkv", "topk", False),
-    ("value: vatp", "vatp", "topk", False),
+#: The named contracts of the seed's fixes: (label, scalar, projection or None for the contract's own, forced).
+FIXES: tuple[tuple[str, str, str | None, bool], ...] = (
+    ("attention mass", "importance", None, False),
+    ("evidence: window attention", "snapkv", None, False),
+    ("value: vatp", "vatp", None, False),
     ("span: chunks", "importance", "chunk", False),
-    ("evidence -> value: caote", "caote", "topk", False),
+    ("evidence -> value: caote", "caote", None, False),
     ("recommended: evidence -> value -> span", "caote", "chunk", False),
-    ("oracle: evidence first", "importance", "topk", True),
+    ("oracle: evidence first", "importance", None, True),
 )
 
 Progress = Callable[[int, int], None]
@@ -91,7 +91,7 @@ def fix_methods(contract: Contract) -> list[tuple[str, CacheMethod]]:
     """The named contracts of `FIXES` under `contract`, labelled."""
     out: list[tuple[str, CacheMethod]] = []
     for label, scalar, projection, forced in FIXES:
-        policy = contract.policy(scalar, projection=projection)
+        policy = contract.policy(scalar, **({"projection": projection} if projection else {}))
         method = ForcedSlots(policy, "all", ImportanceScorer()) if forced else KvsievePolicy(policy)
         out.append((label, method))
     return out
@@ -113,10 +113,6 @@ def diagnostic_methods(scalars: Sequence[str], contract: Contract) -> dict[str, 
         known = entries.get(method.name)
         entries[method.name] = Entry(method, known is not None and known.scalar, label)
     return entries
-
-
-def _row_key(row: dict[str, Any]) -> tuple[str, str, str, float]:
-    return row["sample"], row["mode"], row["policy"], float(row["rate"])
 
 
 def _outputs(
@@ -187,10 +183,7 @@ def _attribute_failures(
         row |= {MISSCORED: None, COMPLETED: None, "failure": ""}
         if full_margin <= 0 or row["margin"] > 0 or missed or not isinstance(method, KvsievePolicy):
             continue
-        for forcing, wanted, column in (
-            ("evicted", evicted, "misscored_margin"),
-            ("partial", partial, "completed_margin"),
-        ):
+        for forcing, wanted, column in (("evicted", evicted, MISSCORED), ("partial", partial, COMPLETED)):
             if wanted:
                 checks.append((ForcedSlots(method.policy, forcing, SWAP_OUT), rate))
                 owners.append((row, column))
@@ -238,7 +231,7 @@ def _run_case(
     if (key, mode, full.name, 0.0) not in log:
         for row in _case_rows(model, tokenizer, encoded, mode, case, [(full, 0.0)], None, True):
             log.append({**header, "scalar": False, "fix": "", **row})
-    full_margin = next(r["margin"] for r in log.rows if _row_key(r) == (key, mode, full.name, 0.0))
+    full_margin = next(r["margin"] for r in log.rows if row_key(r) == (key, mode, full.name, 0.0))
     for rate in rates:
         todo = [e for name, e in methods.items() if (key, mode, name, rate) not in log]
         for answer in (True, False):  # fixes are answered (accuracy); the other scalars need margins only
@@ -273,7 +266,7 @@ def run_diagnostic(
     rates, modes = [check_rate(r) for r in rates], check_modes(modes)
     methods = diagnostic_methods(list(dict.fromkeys([ATTENTION_MASS, *scalars])), contract)
     needs = functools.reduce(operator.or_, (e.method.needs for e in methods.values()), Needs(window=1) | SWAP_OUT.needs)
-    log = ResultsLog(results, _row_key)
+    log = ResultsLog(results, row_key)
     grid = [(FULL, 0.0)] + [(name, rate) for rate in rates for name in methods]
     total = len(samples) * len(modes) * len(grid)
     done = sum((sample_key(s), m, n, r) in log for s in samples for m in modes for n, r in grid)
