@@ -85,6 +85,18 @@ def tiny_mistral(seed: int = 0) -> MistralForCausalLM:
 
 
 @pytest.fixture(scope="module")
+def tok():
+    """The tiny fast test tokenizer (`tests/tokenizer.py`)."""
+    return tiny_tokenizer()
+
+
+@pytest.fixture
+def lm() -> LlamaForCausalLM:
+    """A tiny random Llama with the test tokenizer's vocabulary."""
+    return tiny_llama(vocab_size=VOCAB_SIZE)
+
+
+@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random model and its tokenizer saved to a folder, as the command line loads them."""
     folder = tmp_path_factory.mktemp("tiny-model")

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import kvsieve
-from conftest import tiny_llama
 from kvsieve.apply import Eviction, evictions
 from kvsieve.data.sample import encode
 from kvsieve.eval.attribution import attribute, missed_evidence, routed, span_states
@@ -25,18 +24,6 @@ from kvsieve.observe import Needs, observe_prefill
 from kvsieve.policy import make_policy
 from kvsieve.scorers import CAOTEScorer, ImportanceScorer
 from test_sweep import make_sample
-from tokenizer import VOCAB_SIZE, tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
-
-
-@pytest.fixture
-def lm():
-    return tiny_llama(vocab_size=VOCAB_SIZE)
-
 
 # ---------------------------------------------------------------- forced slots
 

@@ -14,7 +14,7 @@ from conftest import tiny_llama
 from kvsieve.apply import Eviction, evictions
 from kvsieve.data.sample import EncodedSample, TaskSample, encode
 from kvsieve.eval.margins import Margin, margins
-from tokenizer import VOCAB_SIZE, tiny_tokenizer
+from tokenizer import VOCAB_SIZE
 
 FILLER = "The grass is green. The sky is blue. Here we go. There and back again. "
 NUMBERS = {"pear": "7654321", "apple": "1234567", "plum": "5550123"}
@@ -41,11 +41,6 @@ def make_sample(asked: str, candidates: bool) -> TaskSample:
         candidates=tuple(f" {n}" for f, n in NUMBERS.items() if f != asked) if candidates else (),
         evidence=((start, start + len(needle) - 1),),
     )
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,12 @@ import torch
 from transformers import DynamicCache
 
 import kvsieve
-from conftest import tiny_llama
 from kvsieve.data.sample import TaskSample, encode
 from kvsieve.eval.answers import gold_statistics, is_abstention, judge, string_match
 from kvsieve.eval.contenders import parse_contenders
 from kvsieve.eval.respond import respond
 from kvsieve.eval.sweep import read_rows, run_sweep, sample_key, split_prompt
 from kvsieve.policy import PolicyError
-from tokenizer import VOCAB_SIZE, tiny_tokenizer
 
 FILLER = "The grass is green. The sky is blue. Here we go. There and back again. "
 
@@ -39,16 +37,6 @@ def make_sample(index: int, number: str = "1234567", abstain: bool = False) -> T
         abstain_ok=abstain,
         max_new_tokens=6,
     )
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
-
-
-@pytest.fixture
-def lm():
-    return tiny_llama(vocab_size=VOCAB_SIZE)
 
 
 def test_string_match_and_verdicts():

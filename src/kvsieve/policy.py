@@ -15,7 +15,6 @@ from .observe import Needs, Observation
 from .projection import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_PROJECTION,
-    MISSING_SPANS,
     Projection,
     check_spans,
     make_projection,
@@ -113,8 +112,6 @@ class Policy:
         budget = as_budget(budget)
         projector = self.projector
         check_spans(spans)
-        if projector.needs_spans and spans is None:
-            raise PolicyError(MISSING_SPANS)
         if not observations:
             if budget == Rate(0.0):
                 return []

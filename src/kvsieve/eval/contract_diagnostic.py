@@ -18,8 +18,6 @@ forced-slot variants of the same eviction (`forced`). Rows go to a resumable res
 
 from __future__ import annotations
 
-import functools
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +29,6 @@ import torch
 from ..budget import check_rate
 from ..data.sample import EncodedSample, TaskSample, encode
 from ..learn.checkpoint import shipped_gates_for
-from ..observe import Needs
 from ..policy import Policy, make_policy
 from ..scorers import CAOTEScorer, ImportanceScorer
 from .answers import judge
@@ -40,7 +37,7 @@ from .forced import ForcedSlots
 from .methods import FULL, CacheMethod, Case, Compressed, FullCache, KvsievePolicy, build
 from .results_log import ResultsLog
 from .routing import evidence_recall, global_eviction_ratio
-from .sweep import check_modes, row_key, sample_case, sample_header, sample_key, split_prompt
+from .sweep import check_modes, prefill_needs, row_key, sample_case, sample_header, sample_key, split_prompt
 
 #: The reference scalar: accumulated attention mass.
 ATTENTION_MASS = "importance"
@@ -265,7 +262,7 @@ def run_diagnostic(
     """
     rates, modes = [check_rate(r) for r in rates], check_modes(modes)
     methods = diagnostic_methods(list(dict.fromkeys([ATTENTION_MASS, *scalars])), contract)
-    needs = functools.reduce(operator.or_, (e.method.needs for e in methods.values()), Needs(window=1) | SWAP_OUT.needs)
+    needs = prefill_needs([e.method for e in methods.values()], diagnostics=True) | SWAP_OUT.needs
     log = ResultsLog(results, row_key)
     grid = [(FULL, 0.0)] + [(name, rate) for rate in rates for name in methods]
     total = len(samples) * len(modes) * len(grid)
