@@ -36,7 +36,7 @@ gemma: setup
 
 # Retrain the retention gates the package ships for the default model (deterministic; about 30 min on 2 CPU cores).
 gates: setup
-	$(VENV)/bin/kvsieve train-gates --model default --out src/kvsieve/learn/checkpoints/smollm2-135m
+	$(VENV)/bin/kvsieve train-gates --model default --out src/kvsieve/selection/checkpoints/smollm2-135m
 
 bench: setup
 	$(PY) benchmarks/ppl_importance_vs_random.py

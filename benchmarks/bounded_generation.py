@@ -30,7 +30,7 @@ from rich.table import Table
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvsieve
-from kvsieve.data import long_context
+from kvsieve.harness.data import long_context
 
 RESULTS = Path(__file__).parent / "results"
 MIB = 1 << 20

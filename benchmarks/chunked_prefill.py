@@ -24,8 +24,8 @@ from rich.console import Console
 from rich.table import Table
 
 import kvsieve
-from kvsieve.data import long_context
-from kvsieve.eval.respond import continuation_nll
+from kvsieve.harness.data import long_context
+from kvsieve.harness.eval.respond import continuation_nll
 
 RESULTS = Path(__file__).parent / "results"
 CONTINUATION = 512

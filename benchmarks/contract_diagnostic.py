@@ -18,11 +18,16 @@ import time
 from pathlib import Path
 
 from kvsieve import load_model
-from kvsieve.cli import progress_bar, write_worked_map
-from kvsieve.data.suites import task_samples
-from kvsieve.eval.contract_diagnostic import DIAGNOSTIC_TASKS, Contract, default_scalars, run_diagnostic
-from kvsieve.eval.diagnostic_tables import failure_mix, fixes, raises_margin
-from kvsieve.report.diagnostic_page import DIAGNOSTIC_FILE, DIAGNOSTIC_MANIFEST, WORKED_MAP, write_diagnostic_page
+from kvsieve.harness.cli import progress_bar, write_worked_map
+from kvsieve.harness.data.suites import task_samples
+from kvsieve.harness.eval.contract_diagnostic import DIAGNOSTIC_TASKS, Contract, default_scalars, run_diagnostic
+from kvsieve.harness.eval.diagnostic_tables import failure_mix, fixes, raises_margin
+from kvsieve.harness.report.diagnostic_page import (
+    DIAGNOSTIC_FILE,
+    DIAGNOSTIC_MANIFEST,
+    WORKED_MAP,
+    write_diagnostic_page,
+)
 
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results"

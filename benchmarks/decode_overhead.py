@@ -26,8 +26,8 @@ from rich.table import Table
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvsieve
-from kvsieve.attention import attention_implementation
-from kvsieve.observe import Prefill
+from kvsieve.runtime.attention import attention_implementation
+from kvsieve.runtime.prefill import Prefill
 
 RESULTS = Path(__file__).parent / "results"
 ALLOCATORS = ("uniform", "adaptive", "global")

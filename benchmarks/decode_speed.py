@@ -27,8 +27,8 @@ from rich.table import Table
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from kvsieve import SievedCache, load_model, make_policy, observe_prefill, sieve_attention
-from kvsieve.attention import attention_implementation
-from kvsieve.data import long_context
+from kvsieve.harness.data import long_context
+from kvsieve.runtime.attention import attention_implementation
 
 RESULTS = Path(__file__).parent / "results"
 ALLOCATORS = ("uniform", "adaptive", "global")

@@ -23,9 +23,9 @@ from rich.table import Table
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 import kvsieve
-from kvsieve.data import essay_texts
-from kvsieve.gemma import gemma_gguf
-from kvsieve.models import cache_home
+from kvsieve.harness.data import essay_texts
+from kvsieve.harness.gemma import gemma_gguf
+from kvsieve.harness.models import cache_home
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -20,10 +20,10 @@ import pandas as pd
 from rich.console import Console
 
 from kvsieve import load_model
-from kvsieve.cli import progress_bar
-from kvsieve.data.suites import task_samples
-from kvsieve.eval.sweep import run_sweep
-from kvsieve.report import markdown_table
+from kvsieve.harness.cli import progress_bar
+from kvsieve.harness.data.suites import task_samples
+from kvsieve.harness.eval.sweep import run_sweep
+from kvsieve.harness.report import markdown_table
 
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results"

@@ -29,15 +29,15 @@ import numpy as np
 import pandas as pd
 
 import kvsieve
-from kvsieve.cli import progress_bar
-from kvsieve.data import essay_split, sample_documents, task_samples
-from kvsieve.eval import run_ppl
-from kvsieve.eval.analysis import accuracy_by_rate, against_full
-from kvsieve.eval.perplexity import PplResult
-from kvsieve.eval.stats import bootstrap_delta_ci, pooled_delta_pct
-from kvsieve.eval.streaming import run_streaming, streaming_documents
-from kvsieve.eval.sweep import run_sweep
-from kvsieve.report import markdown_table, ppl_markdown, stream_markdown
+from kvsieve.harness.cli import progress_bar
+from kvsieve.harness.data import essay_split, sample_documents, task_samples
+from kvsieve.harness.eval import run_ppl
+from kvsieve.harness.eval.analysis import accuracy_by_rate, against_full
+from kvsieve.harness.eval.perplexity import PplResult
+from kvsieve.harness.eval.stats import bootstrap_delta_ci, pooled_delta_pct
+from kvsieve.harness.eval.streaming import run_streaming, streaming_documents
+from kvsieve.harness.eval.sweep import run_sweep
+from kvsieve.harness.report import markdown_table, ppl_markdown, stream_markdown
 
 RESULTS = Path(__file__).parent / "results"
 LEARNED = ["trimkv+global", "trimkv", "trimkv+adaptive", "trimkv+global:gates=untrained"]

@@ -19,10 +19,10 @@ from pathlib import Path
 from rich.console import Console
 
 from kvsieve import known_policies, load_model
-from kvsieve.cli import progress_bar
-from kvsieve.data import sample_documents
-from kvsieve.eval import run_ppl
-from kvsieve.report import plot_ppl, ppl_markdown, ppl_table
+from kvsieve.harness.cli import progress_bar
+from kvsieve.harness.data import sample_documents
+from kvsieve.harness.eval import run_ppl
+from kvsieve.harness.report import plot_ppl, ppl_markdown, ppl_table
 
 RESULTS = Path(__file__).parent / "results"
 ALLOCATED = ["adaptive", "pyramid", "global", "global:calibration=zscore"]

@@ -19,9 +19,9 @@ from rich.console import Console
 from rich.table import Table
 
 from kvsieve import load_model
-from kvsieve.data import sample_documents
-from kvsieve.eval import run_ppl
-from kvsieve.report import plot_ppl, ppl_markdown, ppl_table
+from kvsieve.harness.data import sample_documents
+from kvsieve.harness.eval import run_ppl
+from kvsieve.harness.report import plot_ppl, ppl_markdown, ppl_table
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -24,7 +24,7 @@ from rich.table import Table
 from transformers import DynamicCache
 
 from kvsieve import known_policies, load_model, make_policy, observe_prefill
-from kvsieve.data import long_context
+from kvsieve.harness.data import long_context
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 import kvsieve
-from kvsieve.cli import progress_bar
-from kvsieve.compare.kvpress import STREAMING_PRESSES
-from kvsieve.eval.streaming import (
+from kvsieve.harness.cli import progress_bar
+from kvsieve.harness.compare.kvpress import STREAMING_PRESSES
+from kvsieve.harness.eval.streaming import (
     BUCKET,
     DOC_TOKENS,
     ROWS_PER_PASS,
@@ -35,8 +35,8 @@ from kvsieve.eval.streaming import (
     run_streaming,
     streaming_documents,
 )
-from kvsieve.growth import DEFAULT_BUFFER
-from kvsieve.report import markdown_table, plot_stream_ppl, stream_markdown
+from kvsieve.harness.report import markdown_table, plot_stream_ppl, stream_markdown
+from kvsieve.runtime.growth import DEFAULT_BUFFER
 
 RESULTS = Path(__file__).parent / "results"
 #: kvpress's presses run at these budgets only (the comparison, not the sweep).

@@ -21,8 +21,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvsieve import load_model
-from kvsieve.data.suites import task_samples
-from kvsieve.eval.sweep import run_sweep
+from kvsieve.harness.data.suites import task_samples
+from kvsieve.harness.eval.sweep import run_sweep
 
 RESULTS = Path(__file__).parent / "results"
 POLICIES = "snapkv,expected,importance,h2o,tova,knorm,streaming,random"

@@ -7,7 +7,8 @@ import torch
 
 import kvsieve
 from conftest import tiny_llama
-from kvsieve.allocators import (
+from kvsieve.runtime.segments import BLOCK
+from kvsieve.selection.allocators import (
     ALLOCATORS,
     Adaptive,
     Global,
@@ -18,8 +19,7 @@ from kvsieve.allocators import (
     pyramid_budgets,
     zscore,
 )
-from kvsieve.budget import Rate, uniform_keep
-from kvsieve.segments import BLOCK
+from kvsieve.selection.budget import Rate, uniform_keep
 
 SPECS = ["uniform", "pyramid", "adaptive", "global", "global:calibration=zscore", "global:safeguard=0.5"]
 

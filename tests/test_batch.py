@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import kvsieve
-from kvsieve.allocators import ALLOCATORS
-from kvsieve.apply import Eviction, evictions
+from kvsieve.runtime.evictions import Eviction, evictions
+from kvsieve.selection.allocators import ALLOCATORS
 from specs import SCORER_SPECS
 
 LENGTHS = (120, 83, 101)

@@ -8,7 +8,7 @@ import torch
 
 import kvsieve
 from conftest import tiny_llama
-from kvsieve.budget import MaxBytes, MaxTokens, Rate, make_budget
+from kvsieve.selection.budget import MaxBytes, MaxTokens, Rate, make_budget
 
 SPECS = ["snapkv", "snapkv+pyramid", "importance+adaptive", "random+global"]
 N = 100  # context tokens; 1 sink + 32 recent are protected per head, 67 evictable

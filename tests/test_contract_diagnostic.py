@@ -10,19 +10,20 @@ import pytest
 import torch
 
 import kvsieve
-from kvsieve.apply import Eviction, evictions
-from kvsieve.data.sample import encode
-from kvsieve.eval.attribution import attribute, missed_evidence, routed, span_states
-from kvsieve.eval.contract_diagnostic import ATTENTION_MASS, Contract, diagnostic_methods, run_diagnostic
-from kvsieve.eval.diagnostic_tables import failure_mix, fixes, raises_margin
-from kvsieve.eval.forced import ForcedEviction, ForcedSlots, forced_tokens, swap_in
-from kvsieve.eval.margins import margins
-from kvsieve.eval.methods import Case, reseeded
-from kvsieve.eval.routing import survival_from_cache
-from kvsieve.eval.sweep import sample_key
-from kvsieve.observe import Needs, observe_prefill
-from kvsieve.policy import make_policy
-from kvsieve.scorers import CAOTEScorer, ImportanceScorer
+from kvsieve.harness.data.sample import encode
+from kvsieve.harness.eval.attribution import attribute, missed_evidence, routed, span_states
+from kvsieve.harness.eval.contract_diagnostic import ATTENTION_MASS, Contract, diagnostic_methods, run_diagnostic
+from kvsieve.harness.eval.diagnostic_tables import failure_mix, fixes, raises_margin
+from kvsieve.harness.eval.forced import ForcedEviction, ForcedSlots, forced_tokens, swap_in
+from kvsieve.harness.eval.margins import margins
+from kvsieve.harness.eval.methods import Case, reseeded
+from kvsieve.harness.eval.routing import survival_from_cache
+from kvsieve.harness.eval.sweep import sample_key
+from kvsieve.runtime.evictions import Eviction, evictions
+from kvsieve.runtime.prefill import observe_prefill
+from kvsieve.selection.observation import Needs
+from kvsieve.selection.policy import make_policy
+from kvsieve.selection.scorers import CAOTEScorer, ImportanceScorer
 from test_sweep import make_sample
 
 # ---------------------------------------------------------------- forced slots

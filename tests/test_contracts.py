@@ -17,8 +17,8 @@ from transformers.utils import logging as hf_logging
 
 import kvsieve
 from conftest import tiny_llama
-from kvsieve.cache import SievedLayer
-from kvsieve.policy import Policy
+from kvsieve.runtime.cache import SievedLayer
+from kvsieve.selection.policy import Policy
 
 TESTS = Path(__file__).parent
 
@@ -97,7 +97,7 @@ def test_importing_kvsieve_changes_nothing_global():
         from transformers.utils import logging
         from transformers import AttentionInterface
         before = logging.get_verbosity()
-        import kvsieve, kvsieve.cli, kvsieve.report, kvsieve.eval, kvsieve.compare
+        import kvsieve, kvsieve.harness.cli, kvsieve.harness.report, kvsieve.harness.eval, kvsieve.harness.compare
         print("pyplot" if "matplotlib.pyplot" in sys.modules else "no pyplot")
         print("same verbosity" if logging.get_verbosity() == before else "verbosity changed")
         print("registered" if "sieve" in AttentionInterface._global_mapping else "not registered")
@@ -107,7 +107,7 @@ def test_importing_kvsieve_changes_nothing_global():
 
 
 def test_loading_restores_transformers_logging(monkeypatch):
-    from kvsieve import models
+    from kvsieve.harness import models
 
     hf_logging.set_verbosity_info()
     try:
@@ -121,7 +121,7 @@ def test_loading_restores_transformers_logging(monkeypatch):
 KVPRESS_SIDE_BY_SIDE = """
     import torch, kvsieve
     from conftest import MaskedReference, tiny_llama
-    from kvsieve.compare import kvpress_compress
+    from kvsieve.harness.compare import kvpress_compress
 
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(1))

@@ -7,8 +7,8 @@ import torch
 
 import kvsieve
 from conftest import tiny_llama
-from kvsieve.kernels import reference_attention, varlen_attention, varlen_available
-from kvsieve.segments import Segments
+from kvsieve.runtime.kernels import reference_attention, varlen_attention, varlen_available
+from kvsieve.runtime.segments import Segments
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none in CI)")
 

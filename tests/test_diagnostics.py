@@ -13,7 +13,7 @@ import torch
 
 import kvsieve
 from conftest import tiny_llama
-from kvsieve.eval.analysis import (
+from kvsieve.harness.eval.analysis import (
     accuracy_by_rate,
     against_full,
     cliff,
@@ -22,7 +22,7 @@ from kvsieve.eval.analysis import (
     library_side_by_side,
     pearson,
 )
-from kvsieve.eval.routing import (
+from kvsieve.harness.eval.routing import (
     CONSENSUS_SCOPE,
     diagnose,
     evidence_recall,
@@ -32,14 +32,14 @@ from kvsieve.eval.routing import (
     head_consensus,
     survival_from_cache,
 )
-from kvsieve.observe import observe_prefill
-from kvsieve.policy import make_policy
-from kvsieve.report.figures import (
+from kvsieve.harness.report.figures import (
     plot_accuracy_vs_rate,
     plot_consensus_by_depth,
     plot_eviction_map,
     plot_hallucination_vs_ger,
 )
+from kvsieve.runtime.prefill import observe_prefill
+from kvsieve.selection.policy import make_policy
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -8,7 +8,8 @@ from transformers import DynamicCache
 
 import kvsieve
 from conftest import tiny_llama
-from kvsieve.allocators import ALLOCATORS
+from kvsieve.runtime import kernels
+from kvsieve.selection.allocators import ALLOCATORS
 from specs import SCORER_SPECS
 
 GEN = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
@@ -128,7 +129,7 @@ def test_chunked_observation_is_exact(model, ids, monkeypatch):
     """Tiny query chunks give the same outputs and statistics as one chunk."""
     needs = kvsieve.Needs(window=4, accumulated=True)
     whole = kvsieve.observe_prefill(model, ids, needs)
-    monkeypatch.setattr(kvsieve.kernels, "CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(kernels, "CHUNK_ELEMENTS", 64)
     chunked = kvsieve.observe_prefill(model, ids, needs)
     torch.testing.assert_close(chunked.last_logits, whole.last_logits, atol=1e-5, rtol=0)
     for a, b in zip(whole.observations[0], chunked.observations[0], strict=True):

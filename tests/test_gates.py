@@ -9,7 +9,11 @@ import torch
 
 import kvsieve
 from conftest import tiny_gemma3, tiny_llama
-from kvsieve.learn.checkpoint import (
+from kvsieve.harness.training.data import TrainingData
+from kvsieve.harness.training.losses import capacity_loss, expected_kept
+from kvsieve.harness.training.retention import RetentionTape, soft_retention
+from kvsieve.harness.training.train import TrainConfig, train_gates, train_step
+from kvsieve.selection.checkpoint import (
     GateCheckpointError,
     TrainRecord,
     load_gates,
@@ -17,12 +21,8 @@ from kvsieve.learn.checkpoint import (
     read_gates,
     save_gates,
 )
-from kvsieve.learn.data import TrainingData
-from kvsieve.learn.gates import RetentionGates, gate_shape
-from kvsieve.learn.losses import capacity_loss, expected_kept
-from kvsieve.learn.retention import RetentionTape, soft_retention
-from kvsieve.learn.train import TrainConfig, train_gates, train_step
-from kvsieve.rotary import find_rotary, rotate_half
+from kvsieve.selection.gates import RetentionGates, gate_shape
+from kvsieve.selection.rotary import find_rotary, rotate_half
 
 SEQ = 48
 
@@ -227,7 +227,7 @@ def test_train_gates_command_writes_a_checkpoint_the_scorer_loads(model_dir, tmp
     from transformers import AutoModelForCausalLM
     from typer.testing import CliRunner
 
-    from kvsieve.cli import app
+    from kvsieve.harness.cli import app
 
     out = tmp_path / "gates"
     args = ["train-gates", "--model", str(model_dir), "--out", str(out), "--steps", "2", "--seq-len", "256"]

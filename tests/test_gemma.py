@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import kvsieve
-from kvsieve.data import long_context
-from kvsieve.gemma import gemma_missing
-from kvsieve.sliding import SlidingLayer
+from kvsieve.harness.data import long_context
+from kvsieve.harness.gemma import gemma_missing
+from kvsieve.runtime.sliding import SlidingLayer
 
 pytestmark = [
     pytest.mark.gemma,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvsieve
-from kvsieve.data import sample_documents
+from kvsieve.harness.data import sample_documents
 
 pytestmark = pytest.mark.integration
 
@@ -71,7 +71,7 @@ def test_default_model_h2o_generation_stays_bounded_and_starts_as_the_full_cache
 @torch.no_grad()
 def test_shipped_gates_load_and_compress_the_default_model(default_model):
     """The trimkv checkpoint inside the package is found by the model's weights hash and evicts for real."""
-    from kvsieve.learn.checkpoint import load_gates, shipped_checkpoints
+    from kvsieve.selection.checkpoint import load_gates, shipped_checkpoints
 
     model, tokenizer = default_model
     assert [folder.name for folder in shipped_checkpoints()] == ["smollm2-135m"]

@@ -12,9 +12,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import kvsieve
 from conftest import tiny_llama
-from kvsieve.attention import ATTENTION_NAME, register_sieve_attention, sieve_attention_forward
-from kvsieve.budget import uniform_keep
-from kvsieve.compare import KVPRESS_PRESSES, import_kvpress, kvpress_compress, kvpress_ratio, make_press
+from kvsieve.harness.compare import KVPRESS_PRESSES, import_kvpress, kvpress_compress, kvpress_ratio, make_press
+from kvsieve.runtime.attention import ATTENTION_NAME, register_sieve_attention, sieve_attention_forward
+from kvsieve.selection.budget import uniform_keep
 
 kvpress = import_kvpress()  # a plain import: kvpress wraps every registered attention function, harmlessly
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvsieve.eval import bootstrap_delta_ci, pooled_delta_pct, run_ppl
+from kvsieve.harness.eval import bootstrap_delta_ci, pooled_delta_pct, run_ppl
 
 PREFIX, CONT = 64, 24
 

@@ -7,9 +7,9 @@ import torch
 
 import kvsieve
 import test_growth
-from kvsieve.policy import protected_mask
-from kvsieve.projection import PROJECTIONS, Chunks, Sentences, TopK, fit_spans, span_ids, span_keep_indices
-from kvsieve.spans import ends_sentence, sentence_spans
+from kvsieve.selection.policy import protected_mask
+from kvsieve.selection.projection import PROJECTIONS, Chunks, Sentences, TopK, fit_spans, span_ids, span_keep_indices
+from kvsieve.selection.spans import ends_sentence, sentence_spans
 from tokenizer import tiny_tokenizer
 
 

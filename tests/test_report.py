@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typer.testing import CliRunner
 
-from kvsieve.allocators import ALLOCATORS
-from kvsieve.cli import app
-from kvsieve.report import plot_ppl, ppl_markdown
-from kvsieve.scorers import SCORERS
+from kvsieve.harness.cli import app
+from kvsieve.harness.report import plot_ppl, ppl_markdown
+from kvsieve.selection.allocators import ALLOCATORS
+from kvsieve.selection.scorers import SCORERS
 
 REPORT = {
     "full_ppl": 10.0,

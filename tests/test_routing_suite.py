@@ -14,8 +14,14 @@ import pytest
 import torch
 
 import kvsieve
-from kvsieve.data.routing import LONG_CONTEXT_DEPTH, RELATIONS, ROUTING_FAMILIES, relation_values, routing_samples
-from kvsieve.data.sample import ABSTAIN_ANSWER, TaskSample, encode
+from kvsieve.harness.data.routing import (
+    LONG_CONTEXT_DEPTH,
+    RELATIONS,
+    ROUTING_FAMILIES,
+    relation_values,
+    routing_samples,
+)
+from kvsieve.harness.data.sample import ABSTAIN_ANSWER, TaskSample, encode
 from tokenizer import tiny_tokenizer
 
 LENGTH, N = 480, 6

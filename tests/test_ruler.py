@@ -9,9 +9,9 @@ from functools import cache
 
 import pytest
 
-from kvsieve.data import haystack as hs
-from kvsieve.data.ruler import RULER_TASKS, ruler_samples, zeta, zipf_counts
-from kvsieve.data.sample import TaskSample, encode, merge_spans, token_count
+from kvsieve.harness.data import haystack as hs
+from kvsieve.harness.data.ruler import RULER_TASKS, ruler_samples, zeta, zipf_counts
+from kvsieve.harness.data.sample import TaskSample, encode, merge_spans, token_count
 from tokenizer import tiny_tokenizer
 
 #: Target lengths for the tiny tokenizer (its merges are few, so vt/cwe/uuid needles cost many tokens).

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvsieve.data.sample import (
+from kvsieve.harness.data.sample import (
     TaskSample,
     char_spans_to_token_ranges,
     char_spans_to_tokens,

@@ -14,8 +14,8 @@ from transformers import DynamicCache
 
 import kvsieve
 from conftest import tiny_llama
-from kvsieve.observe import Statistics
-from kvsieve.rotary import unrotate
+from kvsieve.selection.observation import Statistics
+from kvsieve.selection.rotary import unrotate
 from specs import SCORER_SPECS
 
 N = 64  # context length of every reference prefill

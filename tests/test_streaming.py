@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 import kvsieve
-from kvsieve.cli import app
-from kvsieve.compare.kvpress import PressStream
-from kvsieve.eval.streaming import (
+from kvsieve.harness.cli import app
+from kvsieve.harness.compare.kvpress import PressStream
+from kvsieve.harness.eval.streaming import (
     CacheSize,
     StreamResult,
     StreamRun,
@@ -26,7 +26,7 @@ from kvsieve.eval.streaming import (
     sieved_trace,
     streaming_documents,
 )
-from kvsieve.report import plot_stream_ppl, stream_markdown
+from kvsieve.harness.report import plot_stream_ppl, stream_markdown
 from tokenizer import tiny_tokenizer
 
 runner = CliRunner(env={"COLUMNS": "250"})  # rich must not wrap an error message inside its box

@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvsieve.cli import app
+from kvsieve.harness.cli import app
 
 runner = CliRunner(env={"COLUMNS": "200"})  # rich must not wrap an error message inside its box
 

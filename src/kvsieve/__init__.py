@@ -1,19 +1,48 @@
-"""kvsieve: decide which KV-cache entries a transformers model keeps, evict the rest for real, measure the cost."""
+"""kvsieve: decide which KV-cache entries a transformers model keeps, evict the rest for real, measure the cost.
 
-from .apply import EvictionConfig, SieveHandle, apply, bounded_cache, compress
-from .attention import UnhookableModelError, UnsupportedAttentionError, sieve_attention
-from .budget import MaxBytes, MaxTokens, Rate
-from .cache import RaggedAttentionError, SievedCache
-from .errors import PolicyError
-from .generation import generate
-from .models import ModelNotFoundError, load_model
-from .observe import Needs, Observation, Prefill, observe_cache, observe_prefill
-from .policy import Policy, known_policies, make_policy
-from .spans import sentence_spans
+Three layers, each a package: `kvsieve.selection` (which entries to keep, from observations alone),
+`kvsieve.runtime` (the cache, sieve attention, prefill and generation) and `kvsieve.harness` (models,
+data, evaluation, reports, training, the CLI). `import kvsieve` loads the first two; `load_model`
+loads the harness's model loader when it is first called.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .runtime.apply import EvictionConfig, SieveHandle, apply
+from .runtime.attention import UnsupportedAttentionError, sieve_attention
+from .runtime.cache import RaggedAttentionError, SievedCache
+from .runtime.cache_observations import observe_cache
+from .runtime.compress import bounded_cache, compress
+from .runtime.evictions import Eviction, evictions
+from .runtime.generation import generate
+from .runtime.prefill import Prefill, observe_prefill
+from .selection.budget import MaxBytes, MaxTokens, Rate
+from .selection.errors import PolicyError, UnhookableModelError
+from .selection.observation import Needs, Observation
+from .selection.policy import Policy, known_policies, make_policy
+from .selection.spans import sentence_spans
+
+if TYPE_CHECKING:
+    from .harness.models import ModelNotFoundError, load_model
 
 __version__ = "0.1.0"
 
+#: Public names that live in the harness, imported when first used.
+_LAZY = {"load_model": "kvsieve.harness.models", "ModelNotFoundError": "kvsieve.harness.models"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvsieve' has no attribute {name!r}")
+
+
 __all__ = [
+    "Eviction",
     "EvictionConfig",
     "MaxBytes",
     "MaxTokens",
@@ -33,6 +62,7 @@ __all__ = [
     "apply",
     "bounded_cache",
     "compress",
+    "evictions",
     "generate",
     "known_policies",
     "load_model",

@@ -1,0 +1,531 @@
+"""`kvsieve` command line: perplexity and task sweeps, reports, eviction maps, the demo, the list of policies."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from ..runtime.attention import sieve_attention
+from ..runtime.compress import compress
+from ..runtime.growth import DEFAULT_BUFFER
+from ..runtime.prefill import observe_prefill
+from ..selection.allocators import ALLOCATORS
+from ..selection.budget import check_count, check_rate
+from ..selection.policy import make_policy, split_policies
+from ..selection.scorers import SCORERS
+from .data import essay_texts, sample_documents
+from .data.sample import TaskSample
+from .data.suites import resolve_tasks, task_samples
+from .eval import run_ppl
+from .eval.analysis import accuracy_by_rate
+from .eval.contenders import parse_contenders
+from .eval.contract_diagnostic import (
+    ATTENTION_MASS,
+    DIAGNOSTIC_TASKS,
+    SCALARS,
+    Contract,
+    default_scalars,
+    diagnostic_methods,
+    run_diagnostic,
+)
+from .eval.diagnostic_tables import worked_case
+from .eval.methods import CacheMethod, KvsievePolicy
+from .eval.perplexity import Progress as ProgressCallback
+from .eval.streaming import (
+    BUCKET,
+    DOC_TOKENS,
+    ROWS_PER_PASS,
+    SOURCES,
+    STREAM_POLICIES,
+    plan_streaming,
+    streaming_documents,
+)
+from .eval.sweep import check_modes, run_sweep, sample_key, sample_survival
+from .models import DEFAULT_MODEL, load_model
+from .report import markdown_table, plot_ppl, plot_stream_ppl, ppl_markdown, ppl_table, stream_table
+from .report.diagnostic_page import DIAGNOSTIC_FILE, DIAGNOSTIC_MANIFEST, WORKED_MAP, write_diagnostic_page
+from .report.figures import plot_eviction_map
+from .report.html import MANIFEST_FILE, RESULTS_FILE, accuracy_pivot, write_report
+from .training.data import training_data
+from .training.losses import CAPACITIES
+from .training.train import TrainConfig, train_gates
+
+MODEL_HELP = "gemma3-270m (after `make gemma`), an HF id, a model dir or a .gguf (default: SmolLM2-135M)"
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+console = Console()
+
+
+def _split(text: str, cast: type) -> list:
+    try:
+        return [cast(part.strip()) for part in text.split(",") if part.strip()]
+    except ValueError as err:
+        raise typer.BadParameter(f"cannot read {text!r} as a comma-separated list: {err}") from None
+
+
+def _parsed(hint: str, parse: Callable[[], Any]) -> Any:
+    """Run a parser; its ValueError becomes a clean command-line error naming the option."""
+    try:
+        return parse()
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint=hint) from None
+
+
+@contextmanager
+def progress_bar(description: str) -> Iterator[ProgressCallback]:
+    """A rich progress bar with an ETA, driven by `(done, total)` callbacks."""
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(description, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def ppl_experiment(
+    model_name: str | None,
+    policies: list[str],
+    rates: list[float],
+    docs: int,
+    prefix: int,
+    continuation: int,
+    seed: int,
+    model_and_tokenizer: tuple[Any, Any] | None = None,
+) -> dict[str, Any]:
+    """Load, sample documents, run the protocol with a progress bar, print the table; returns the JSON dict."""
+    _parsed("--policies", lambda: [make_policy(p) for p in policies])
+    _parsed("--rates", lambda: [check_rate(r) for r in rates])
+    model, tokenizer = model_and_tokenizer or load_model(model_name)
+    documents = sample_documents(tokenizer, docs, prefix + continuation + 1, seed=seed)
+    with progress_bar("prefill once, sieve many") as progress:
+        result = run_ppl(model, documents, policies, rates, prefix, continuation, progress=progress)
+    report = result.to_json()
+    console.print(ppl_table(report))
+    return report
+
+
+#: `kvsieve ppl` options of the perplexity-degradation protocol and of the streaming protocol, by flag.
+RATE_OPTIONS = ("--rates",)
+STREAM_OPTIONS = ("--max-tokens", "--buffer", "--doc-tokens", "--bucket", "--source", "--rows")
+DEFAULT_RATES = "0.5,0.7,0.8,0.9"
+
+
+def _check_ppl_mode(stream: bool, given: dict[str, object]) -> None:
+    """Clear errors for options of the other protocol, and for --stream without budgets."""
+    chosen = [flag for flag, value in given.items() if value is not None]
+    if "--max-tokens" in chosen and "--rates" in chosen:
+        raise typer.BadParameter(
+            "--max-tokens (streaming budgets) and --rates (eviction rates) belong to different protocols; give one",
+            param_hint="--max-tokens",
+        )
+    if stream and "--max-tokens" not in chosen:
+        raise typer.BadParameter("--stream needs budgets: --max-tokens 512[,1024,...]", param_hint="--max-tokens")
+    wrong = [f for f in chosen if f in (RATE_OPTIONS if stream else STREAM_OPTIONS)]
+    if wrong:
+        hint = "without --stream" if stream else "with --stream"
+        raise typer.BadParameter(f"{', '.join(wrong)} only apply {hint}", param_hint=wrong[0])
+
+
+def stream_experiment(
+    model_name: str | None, policies: str, budgets: list[int], docs: int, seed: int, options: dict[str, Any]
+) -> dict[str, Any]:
+    """Load, build the documents, check the plan (fails fast), run with a progress bar, print the table."""
+    _parsed("--policies", lambda: parse_contenders(policies))
+    _parsed("--max-tokens", lambda: [check_count("--max-tokens", b) for b in budgets])
+    model, tokenizer = load_model(model_name)
+    documents = _parsed(
+        "--doc-tokens", lambda: streaming_documents(tokenizer, docs, options["doc_tokens"], options["source"], seed)
+    )
+    plan = _parsed(
+        "--max-tokens",
+        lambda: plan_streaming(
+            model,
+            documents,
+            policies,
+            budgets,
+            buffer=options["buffer"],
+            bucket=options["bucket"],
+            rows_per_pass=options["rows"],
+        ),
+    )
+    with progress_bar("streaming perplexity") as progress:
+        report = plan.run(model, progress).to_json()
+    console.print(stream_table(report))
+    return report
+
+
+@app.command()
+def ppl(
+    policies: Annotated[
+        str | None,
+        typer.Option(
+            help="comma-separated specs scorer[+allocator][:k=v,...], e.g. snapkv+adaptive:window=16 "
+            f"(default: importance,random; with --stream: {','.join(STREAM_POLICIES)}; kvpress:<press> too)"
+        ),
+    ] = None,
+    rates: Annotated[str | None, typer.Option(help=f"eviction rates in [0, 1) (default {DEFAULT_RATES})")] = None,
+    docs: Annotated[int, typer.Option(min=1, help="documents")] = 8,
+    prefix: Annotated[int, typer.Option(min=64, help="prefilled tokens per document (rates)")] = 1024,
+    continuation: Annotated[int, typer.Option(min=1, help="scored tokens per document (rates)")] = 512,
+    seed: Annotated[int, typer.Option(help="document choice")] = 0,
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="write the results here")] = None,
+    plot: Annotated[Path | None, typer.Option(help="PNG path (default: next to --json)")] = None,
+    stream: Annotated[
+        bool, typer.Option("--stream", help="streaming perplexity: whole documents, bounded cache")
+    ] = False,
+    max_tokens: Annotated[
+        str | None, typer.Option("--max-tokens", help="--stream budgets: entries per (layer, kv-head), e.g. 512,1024")
+    ] = None,
+    buffer: Annotated[int | None, typer.Option(min=1, help=f"--stream tokens per forward ({DEFAULT_BUFFER})")] = None,
+    doc_tokens: Annotated[int | None, typer.Option(min=2, help=f"--stream tokens per document ({DOC_TOKENS})")] = None,
+    bucket: Annotated[int | None, typer.Option(min=1, help=f"--stream position bucket width ({BUCKET})")] = None,
+    source: Annotated[str | None, typer.Option(help=f"--stream documents: {', '.join(SOURCES)} (essays)")] = None,
+    rows: Annotated[int | None, typer.Option(min=1, help=f"--stream documents per batch ({ROWS_PER_PASS})")] = None,
+) -> None:
+    """Perplexity against the full cache per policy: rates after a prefill, or --stream at fixed budgets (DESIGN §4)."""
+    given = dict(zip(RATE_OPTIONS, (rates,), strict=True))
+    given |= dict(zip(STREAM_OPTIONS, (max_tokens, buffer, doc_tokens, bucket, source, rows), strict=True))
+    _check_ppl_mode(stream, given)
+    if stream:
+        options = {"buffer": buffer or DEFAULT_BUFFER, "doc_tokens": doc_tokens or DOC_TOKENS}
+        options |= {"bucket": bucket or BUCKET, "source": source or SOURCES[0], "rows": rows or ROWS_PER_PASS}
+        budgets = _split(max_tokens, int)
+        report = stream_experiment(model, policies or ",".join(STREAM_POLICIES), budgets, docs, seed, options)
+    else:
+        rate_list, policy_list = _split(rates or DEFAULT_RATES, float), split_policies(policies or "importance,random")
+        report = ppl_experiment(model, policy_list, rate_list, docs, prefix, continuation, seed)
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2))
+        plot = plot or json_path.with_suffix(".png")
+    if plot:
+        (plot_stream_ppl if stream else plot_ppl)(report, plot)
+        console.print(f"wrote {plot}")
+
+
+@app.command()
+def policies() -> None:
+    """List the scorers, the budget allocators and their parameters."""
+    for title, registry in (("scorers", SCORERS), ("allocators (scorer+allocator)", ALLOCATORS)):
+        console.rule(title)
+        for name, cls in registry.items():
+            params = ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(cls))
+            doc = (cls.__doc__ or "").strip().splitlines()[0]
+            console.print(f"[bold]{name}[/bold]({params})  {doc}")
+    console.print("every policy also takes n_sink=1, sliding_window=32 (protected entries)")
+    console.print("spec: scorer[+allocator][:key=value,...], e.g. snapkv+adaptive:window=16,safeguard=0.3")
+
+
+def _generate(model: Any, ids: torch.Tensor, cache: Any, new_tokens: int) -> torch.Tensor:
+    with sieve_attention(model):
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, ids.shape[1] :]
+
+
+def demo_tasks(model: Any, tokenizer: Any, folder: Path) -> list[str]:
+    """The demo's task section: two tasks, question-agnostic and -aware, at rate 0.5; returns Markdown lines."""
+    samples = task_samples("niah_single_2,base", tokenizer, length=1024, n=2, seed=0)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / RESULTS_FILE).unlink(missing_ok=True)  # a fresh run, not a resumed one
+    with progress_bar("tasks: niah_single_2 and routing/base at 1k tokens") as progress:
+        rows = run_sweep(
+            model,
+            tokenizer,
+            samples,
+            "snapkv,expected,random",
+            [0.5],
+            ("agnostic", "aware"),
+            results=folder / RESULTS_FILE,
+            progress=progress,
+        )
+    stats = accuracy_by_rate(rows)
+    stats = stats[(stats["policy"] == "full") | (stats["rate"] > 0)]
+    header = ["mode", "policy", "rate", "accuracy %", "gold log-prob", "GER", "KV MiB"]
+    table = Table(*header, title=f"Tasks: {len(samples)} samples (niah_single_2, routing/base), 1k tokens")
+    body = []
+    for r in stats.itertuples():
+        cells = [
+            r.mode,
+            r.policy,
+            f"{r.rate:.0%}",
+            f"{100 * r.accuracy:.0f}",
+            f"{r.mean_gold_logprob:.2f}",
+            f"{r.mean_ger:.2f}",
+            f"{r.mean_kv_bytes / 2**20:.2f}",
+        ]
+        table.add_row(*cells)
+        body.append(cells)
+    console.print(table)
+    page = write_report(folder)
+    heading = "## Task accuracy (RULER-style needle and a routing probe)"
+    return [heading, "", markdown_table(header, body), "", f"Full sweep report: [{page.name}](tasks/{page.name})", ""]
+
+
+@app.command()
+def demo(
+    out: Annotated[Path, typer.Option(help="report folder")] = Path("reports/demo"),
+    docs: Annotated[int, typer.Option(min=1)] = 3,
+    prefix: Annotated[int, typer.Option(min=64)] = 512,
+    continuation: Annotated[int, typer.Option(min=1)] = 256,
+) -> None:
+    """A short tour on the embedded default model: compress, generate, and a small perplexity table + report."""
+    console.rule("kvsieve demo: SmolLM2-135M-Instruct (embedded GGUF), CPU")
+    model, tokenizer = load_model()
+    text = essay_texts()["addiction"]
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :prefix]
+    question = tokenizer("\n\nIn short, the essay says that", return_tensors="pt", add_special_tokens=False)
+    full_ids = torch.cat([ids, question.input_ids], dim=-1)
+
+    caches = {"full cache": observe_prefill(model, ids).cache}
+    caches |= {policy: compress(model, ids, policy, rate=0.8) for policy in ("importance", "snapkv+adaptive", "random")}
+    sizes = {name: cache.nbytes() for name, cache in caches.items()}
+    samples = {name: _generate(model, full_ids, cache, 24) for name, cache in caches.items()}
+    lines = [
+        f"context: {ids.shape[1]} tokens of the essay 'addiction', then a prompt; rate 0.8; greedy, 24 new tokens",
+        "",
+    ]
+    for name, tokens in samples.items():
+        answer = tokenizer.decode(tokens, skip_special_tokens=True).replace("\n", " ")
+        console.print(f"{name:>15}: {sizes[name] / 2**20:6.2f} MiB KV after prefill | {answer}")
+        lines.append(f"- **{name}** ({sizes[name] / 2**20:.2f} MiB of KV after prefill): {answer}")
+
+    task_lines = demo_tasks(model, tokenizer, out / "tasks")
+    report = ppl_experiment(
+        None,
+        ["importance", "snapkv+adaptive", "expected", "random"],
+        [0.5, 0.8, 0.9],
+        docs,
+        prefix,
+        continuation,
+        seed=0,
+        model_and_tokenizer=(model, tokenizer),
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ppl.json").write_text(json.dumps(report, indent=2))
+    plot_ppl(report, out / "ppl.png")
+    markdown = "\n".join(
+        [
+            "# kvsieve demo",
+            "",
+            "## Generation from a compressed cache",
+            "",
+            *lines,
+            "",
+            *task_lines,
+            "## Perplexity change against the full cache",
+            "",
+            ppl_markdown(report),
+            "![delta% vs rate](ppl.png)",
+            "",
+        ]
+    )
+    (out / "report.md").write_text(markdown)
+    console.print(f"wrote {out / 'report.md'}, {out / 'ppl.json'}, {out / 'ppl.png'}, {out / 'tasks' / 'report.html'}")
+
+
+def _map_path(folder: Path, sample: TaskSample, mode: str, contender: CacheMethod, rate: float) -> Path:
+    name = f"{sample.task}-{sample.index}-{mode}-{contender.name}-{rate:g}"
+    return folder / (re.sub(r"[^A-Za-z0-9._+=-]", "_", name) + ".png")
+
+
+def write_eviction_map(
+    model: Any, tokenizer: Any, sample: TaskSample, contender: CacheMethod, rate: float, mode: str, path: Path
+) -> Path:
+    survival, evidence = sample_survival(model, tokenizer, sample, contender, rate, mode)
+    title = f"{sample.task} #{sample.index}, {contender.name} at {rate:.0%} ({mode}); evidence marked"
+    return plot_eviction_map(survival, evidence, path, title=title)
+
+
+@app.command()
+def sweep(
+    tasks: Annotated[str, typer.Option(help="tasks or suites (ruler, routing), comma-separated")] = "ruler",
+    policies: Annotated[
+        str, typer.Option(help="kvsieve specs and kvpress:<press> names; the full cache is always run")
+    ] = "snapkv,expected,importance,random",
+    rates: Annotated[str, typer.Option(help="comma-separated eviction rates in [0, 1)")] = "0.5,0.75,0.9",
+    samples: Annotated[int, typer.Option(min=1, help="samples per task")] = 10,
+    length: Annotated[int, typer.Option(min=128, help="prompt tokens per sample")] = 2048,
+    modes: Annotated[str, typer.Option(help="agnostic, aware, or agnostic,aware")] = "agnostic",
+    seed: Annotated[int, typer.Option(help="sample generation")] = 0,
+    out: Annotated[Path, typer.Option(help="results folder (results.jsonl is appended to: a rerun resumes)")] = Path(
+        "results/sweep"
+    ),
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
+    chat: Annotated[bool | None, typer.Option("--chat/--no-chat", help="chat template (default: if any)")] = None,
+    maps: Annotated[bool, typer.Option(help="eviction maps of each task's first sample at the top rate")] = True,
+) -> None:
+    """Task accuracy per policy and rate on RULER-style tasks and the routing suite, with routing diagnostics."""
+    task_names = _parsed("--tasks", lambda: resolve_tasks(tasks))
+    contenders = _parsed("--policies", lambda: parse_contenders(policies))
+    rate_list = _parsed("--rates", lambda: [check_rate(r) for r in _split(rates, float)])
+    mode_list = _parsed("--modes", lambda: check_modes([m.strip() for m in modes.split(",") if m.strip()]))
+    lm, tokenizer = load_model(model)
+    items = task_samples(task_names, tokenizer, length=length, n=samples, seed=seed, chat=chat)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = {
+        "model": model or "smollm2-135m",
+        "tasks": task_names,
+        "policies": [c.name for c in contenders],
+        "rates": rate_list,
+        "modes": mode_list,
+        "samples": samples,
+        "length": length,
+        "seed": seed,
+    }
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+    with progress_bar("sweep: prefill once per sample, sieve many") as progress:
+        rows = run_sweep(
+            lm,
+            tokenizer,
+            items,
+            [c.name for c in contenders],
+            rate_list,
+            mode_list,
+            results=out / RESULTS_FILE,
+            chat=chat,
+            progress=progress,
+        )
+    pivot = accuracy_pivot(accuracy_by_rate(rows))
+    table = Table(*map(str, pivot.columns), title="Accuracy (%) by rate (rate 0 = full cache)")
+    for line in pivot.itertuples(index=False):
+        table.add_row(*(str(v) for v in line))
+    console.print(table)
+    if maps:
+        for task in task_names:
+            first = next(s for s in items if s.task == task)
+            for contender in contenders[1:]:
+                path = _map_path(out / "maps", first, mode_list[0], contender, max(rate_list))
+                if not path.exists():
+                    write_eviction_map(lm, tokenizer, first, contender, max(rate_list), mode_list[0], path)
+    console.print(f"wrote {out / RESULTS_FILE}; `kvsieve report {out}` makes the HTML page")
+
+
+def write_worked_map(
+    model: Any, tokenizer: Any, items: list[TaskSample], rows: Any, contract: Contract, out: Path
+) -> Path | None:
+    """The eviction map of the report's worked case (attention mass under `contract`), if there is one."""
+    case = worked_case(rows)
+    if case is None:
+        return None
+    failure = case[case["scalar"] & (case["policy"] == ATTENTION_MASS)].iloc[0]
+    sample = next(s for s in items if sample_key(s) == failure["sample"])
+    method = KvsievePolicy(contract.policy(ATTENTION_MASS))
+    return write_eviction_map(model, tokenizer, sample, method, failure["rate"], failure["mode"], out / WORKED_MAP)
+
+
+@app.command()
+def diagnose(
+    tasks: Annotated[str, typer.Option(help="tasks or suites (ruler, routing), comma-separated")] = DIAGNOSTIC_TASKS,
+    scalars: Annotated[
+        str | None, typer.Option(help="ranking scalars swapped into the contract (default: all; trimkv with gates)")
+    ] = None,
+    rates: Annotated[str, typer.Option(help="comma-separated eviction rates in [0, 1)")] = "0.5,0.75,0.9",
+    contract: Annotated[str, typer.Option(help="the fixed rest of a policy: allocator[:parameters]")] = "uniform",
+    samples: Annotated[int, typer.Option(min=1, help="samples per task")] = 5,
+    length: Annotated[int, typer.Option(min=128, help="prompt tokens per sample")] = 1024,
+    modes: Annotated[str, typer.Option(help="agnostic, aware, or agnostic,aware")] = "agnostic,aware",
+    seed: Annotated[int, typer.Option(help="sample generation")] = 0,
+    out: Annotated[Path, typer.Option(help="results folder (a rerun resumes)")] = Path("results/diagnostic"),
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
+) -> None:
+    """Why a policy fails: margins, failure modes and fixes under one fixed contract (arXiv 2605.08234)."""
+    task_names = _parsed("--tasks", lambda: resolve_tasks(tasks))
+    fixed = Contract(contract)
+    scalar_list = [s.strip() for s in (scalars or ",".join(SCALARS)).split(",") if s.strip()]
+    _parsed("--scalars", lambda: diagnostic_methods(scalar_list, fixed))
+    rate_list = _parsed("--rates", lambda: [check_rate(r) for r in _split(rates, float)])
+    mode_list = _parsed("--modes", lambda: check_modes([m.strip() for m in modes.split(",") if m.strip()]))
+    lm, tokenizer = load_model(model)
+    scalar_list = scalar_list if scalars else default_scalars(lm)
+    items = task_samples(task_names, tokenizer, length=length, n=samples, seed=seed)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {"model": model or "smollm2-135m", "tasks": task_names, "scalars": scalar_list, "rates": rate_list}
+    settings |= {"modes": mode_list, "contract": contract, "samples": samples, "length": length, "seed": seed}
+    (out / DIAGNOSTIC_MANIFEST).write_text(json.dumps(settings, indent=2))
+    with progress_bar("diagnose: one prefill per case, every contract evicts from it") as progress:
+        rows = run_diagnostic(
+            lm, tokenizer, items, scalar_list, rate_list, mode_list, contract=fixed,
+            results=out / DIAGNOSTIC_FILE, progress=progress,
+        )  # fmt: skip
+    write_worked_map(lm, tokenizer, items, rows, fixed, out)
+    console.print(f"wrote {write_diagnostic_page(out)}")
+
+
+@app.command()
+def report(
+    folder: Annotated[Path, typer.Argument(help="a folder written by `kvsieve sweep` or `kvsieve diagnose`")],
+) -> None:
+    """Turn a sweep folder into one HTML page with the tables and figures (a diagnostic folder into diagnostic.md)."""
+    try:
+        page = write_diagnostic_page(folder) if (folder / DIAGNOSTIC_FILE).exists() else write_report(folder)
+    except FileNotFoundError as err:
+        raise typer.BadParameter(str(err), param_hint="FOLDER") from None
+    console.print(f"wrote {page}")
+
+
+@app.command(name="map")
+def eviction_map(
+    task: Annotated[str, typer.Option(help="a RULER task or routing family")] = "niah_single_1",
+    index: Annotated[int, typer.Option(min=0, help="which sample of the task")] = 0,
+    policy: Annotated[str, typer.Option(help="a kvsieve spec or kvpress:<press>")] = "snapkv",
+    rate: Annotated[float, typer.Option(help="eviction rate in [0, 1)")] = 0.9,
+    length: Annotated[int, typer.Option(min=128)] = 2048,
+    mode: Annotated[str, typer.Option(help="agnostic or aware")] = "agnostic",
+    seed: Annotated[int, typer.Option()] = 0,
+    out: Annotated[Path, typer.Option(help="PNG path")] = Path("eviction_map.png"),
+    model: Annotated[str | None, typer.Option()] = None,
+) -> None:
+    """The eviction map of one sample: which (layer, kv-head) keeps which context token, evidence marked."""
+    names = _parsed("--task", lambda: resolve_tasks(task))
+    contender = _parsed("--policy", lambda: parse_contenders(policy)[-1])
+    _parsed("--rate", lambda: check_rate(rate))
+    _parsed("--mode", lambda: check_modes([mode]))
+    lm, tokenizer = load_model(model)
+    sample = task_samples(names, tokenizer, length=length, n=index + 1, seed=seed)[index]
+    path = write_eviction_map(lm, tokenizer, sample, contender, rate, mode, out)
+    console.print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    app()
+
+
+@app.command(name="train-gates")
+def train_gates_command(
+    out: Annotated[Path, typer.Option(help="checkpoint folder (a rerun with the same settings resumes there)")],
+    model: Annotated[str, typer.Option(help=MODEL_HELP)] = DEFAULT_MODEL,
+    budget: Annotated[int, typer.Option(min=1, help="M: entries per (layer, kv-head)")] = TrainConfig.budget,
+    steps: Annotated[int, typer.Option(min=1, help="optimiser steps, one sequence each")] = TrainConfig.steps,
+    seq_len: Annotated[int, typer.Option(min=2, help="tokens per sequence")] = TrainConfig.seq_len,
+    lam: Annotated[float, typer.Option(min=0.0, help="weight of the capacity hinge")] = TrainConfig.lam,
+    capacity: Annotated[str, typer.Option(help=f"one of {', '.join(CAPACITIES)}")] = TrainConfig.capacity,
+    ntp: Annotated[bool, typer.Option(help="average the next-token loss into the KL")] = TrainConfig.ntp,
+    lr: Annotated[float, typer.Option(min=0.0)] = TrainConfig.lr,
+    width: Annotated[int, typer.Option(min=1, help="hidden units per (layer, kv-head)")] = TrainConfig.width,
+    per_task: Annotated[int, typer.Option(min=0, help="training samples per task")] = TrainConfig.per_task,
+    seed: Annotated[int, typer.Option()] = TrainConfig.seed,
+) -> None:
+    """Train retention gates (TrimKV / DBTrimKV) for a model on this machine; the model itself is not changed."""
+    settings = {"budget": budget, "steps": steps, "seq_len": seq_len, "lam": lam, "capacity": capacity, "ntp": ntp}
+    config = _parsed("train-gates", lambda: TrainConfig(**settings, lr=lr, width=width, per_task=per_task, seed=seed))
+    name = DEFAULT_MODEL if model == "default" else model
+    lm, tokenizer = load_model(name)
+    data = _parsed("--seq-len", lambda: training_data(tokenizer, config.seq_len, config.per_task, config.seed))
+    gates, record = train_gates(lm, tokenizer, config, out, name, data=data)
+    console.print(f"trained {len(gates.shape.layers)} layers of gates in {record.seconds:.0f} s; wrote {out}")

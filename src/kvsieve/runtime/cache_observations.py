@@ -1,0 +1,59 @@
+"""Observations of what a (possibly evicted) cache holds: scorers re-score a ragged cache from them."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from ..selection.observation import Observation, Statistics
+from ..selection.rotary import Rotary
+from .cache import SievedCache
+from .segments import PAD_POSITION
+from .statistics import layer_statistics
+
+
+def cached_observations(
+    cache: SievedCache, layers: Sequence[Statistics], row: int = 0, rotary: Rotary | None = None
+) -> list[Observation]:
+    """Observations of the entries a (possibly evicted) cache holds for one sequence, one per full-attention layer.
+
+    Every kv-head has its own entries, padded to the longest and marked by `valid`; `layers` gives
+    every layer's `Statistics` (`layer_statistics`, recent queries added by the caller). The attention
+    each entry received is read from the cache when it keeps it (a bounded cache whose scorer
+    accumulates). Nothing is recomputed: a scorer that reads what is neither given nor kept raises a
+    clear error.
+    """
+    if len(layers) != len(cache.layers):
+        raise ValueError(f"got statistics of {len(layers)} layers for a cache of {len(cache.layers)}")
+    observations = []
+    for idx in cache.full_layers:
+        layer, stats = cache.layers[idx], layers[idx]
+        segments = layer.segments
+        view = segments.padded()
+        positions = view.slots.positions()[row]
+        valid = positions != PAD_POSITION
+        positions = positions.masked_fill(~valid, -1)
+        if segments.received is not None:  # [heads, n, group] -> [q_heads, n]
+            received = segments.padded_received()[row].permute(0, 2, 1).flatten(0, 1)
+            stats = dataclasses.replace(stats, received=received)
+        observations.append(
+            Observation(
+                idx,
+                len(cache.layers),
+                view.keys[row],
+                view.values[row],
+                positions,
+                valid,
+                stats,
+                rotary,
+                seen=layer.seen_tokens,
+            )
+        )
+    return observations
+
+
+def observe_cache(model: torch.nn.Module, cache: SievedCache, row: int = 0) -> list[Observation]:
+    """`cached_observations` of one sequence of `cache`, with the layer statistics read from `model`."""
+    return cached_observations(cache, layer_statistics(model), row)

@@ -1,0 +1,257 @@
+"""`compress` a prompt into a `SievedCache`, or build an empty `bounded_cache` held at a size from its first token."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from ..selection.architecture import layer_windows
+from ..selection.budget import Budget, Rate, check_count, make_budget
+from ..selection.errors import PolicyError
+from ..selection.policy import Policy, make_policy
+from ..selection.projection import MISSING_SPANS
+from ..selection.protection import question_protection
+from .attention import sieve_attention
+from .cache import SievedCache
+from .growth import DEFAULT_BUFFER, BoundedGrowth
+from .inputs import check_input_ids
+from .prefill import Prefill, observe_prefill
+
+
+def _with_question(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    question_ids: torch.Tensor,
+    sliding_window: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The context followed by the question, and the positions to protect."""
+    check_input_ids(model, question_ids, "question_ids")
+    if question_ids.shape[0] != input_ids.shape[0]:
+        raise ValueError(f"question_ids has {question_ids.shape[0]} rows, input_ids {input_ids.shape[0]}")
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError("question-aware compression takes unpadded sequences; compress padded rows one at a time")
+    protected = question_protection(input_ids.shape[-1], question_ids.shape[-1], sliding_window)
+    return torch.cat([input_ids, question_ids.to(input_ids.device)], dim=-1), protected.to(input_ids.device)
+
+
+def compress(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    policy: str | Policy = "importance",
+    rate: float | None = None,
+    *,
+    max_tokens: int | None = None,
+    max_bytes: int | None = None,
+    buffer: int | None = None,
+    chunk: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    budget: str | None = None,
+    question_ids: torch.Tensor | None = None,
+    protect_positions: torch.Tensor | None = None,
+    spans: torch.Tensor | None = None,
+    **policy_params: object,
+) -> SievedCache:
+    """Prefill `input_ids` and return a cache that holds what the budget allows of each sequence.
+
+    The budget is one of: `rate`, the evicted fraction of each sequence's evictable entries
+    (default 0.5); `max_tokens`, the entries each sequence keeps per (layer, kv-head) on average,
+    protected ones included; `max_bytes`, the bytes of keys and values each sequence keeps. With
+    `buffer`, a size budget also holds while the cache grows: decoding evicts back to it whenever
+    `buffer` more tokens per (layer, kv-head) have come in (`kvsieve.growth`). With `chunk`, the
+    prompt itself is prefilled `chunk` tokens at a time and evicted back to the size budget
+    before each next chunk and after the last, so it never holds more than budget + chunk.
+
+    The prefill runs on sieve attention (exact; the model's own attention comes back afterwards).
+    Decode from the cache under `kvsieve.sieve_attention(model)`:
+    `model.generate(torch.cat([input_ids, new_ids], -1), past_key_values=cache)`.
+
+    Every sequence of a batch keeps its own entries, with its own budget counted over its own real
+    tokens; padding is never kept. Question-agnostic (default): only the context is seen before
+    eviction. Question-aware (`question_ids` given): context and question are prefilled together,
+    so the question's queries feed the statistics (they are the last queries, the window scorers
+    read); the question's entries are protected and stay in the cache, and so does the context's
+    recent window, so both modes evict the same number of context entries. Continue with
+    `torch.cat([input_ids, question_ids, new_ids], -1)`.
+
+    Args:
+        input_ids: `[batch, tokens]`; pad with `attention_mask` (left or right padding).
+        policy: a `Policy` or a spec such as ``"snapkv"`` or ``"snapkv+adaptive:window=16"``.
+        rate: evicted fraction of the evictable entries, in [0, 1).
+        max_tokens: entries kept per (layer, kv-head) on average; the allocator decides the split.
+        max_bytes: bytes of keys and values kept per sequence (all layers).
+        buffer: with a size budget, keep it during decoding: tokens per (layer, kv-head) the cache
+            grows past it before it is evicted again (`kvsieve.growth.DEFAULT_BUFFER` is 64).
+        chunk: with a size budget, prefill this many tokens at a time (unpadded prompts).
+        attention_mask: `[batch, tokens]`, 1 for real tokens and 0 for padding.
+        budget: the allocator (``uniform``, ``pyramid``, ``adaptive``, ``global``) if `policy` names none.
+        question_ids: `[batch, q]` tokens of the question, for question-aware compression (unpadded rows).
+        protect_positions: token positions (counted over each sequence's real tokens) never to evict.
+        spans: the spans ``projection=sentence`` keeps whole: a span id (e.g. the sentence number,
+            `kvsieve.sentence_spans`) per token position, `[tokens]` (counted over each
+            sequence's real tokens, the same for every row) or `[batch, tokens]` (the shape of
+            `input_ids`, padding columns ignored). Positions past the spans (a question, generated
+            tokens) are spans of their own. Other projections ignore it.
+        policy_params: scorer and allocator parameters, `n_sink` / `sliding_window` and the
+            projection (`projection`: ``topk``, ``chunk``, ``sentence``; `chunk_size` for ``chunk``).
+    """
+    limit = make_budget(rate, max_tokens, max_bytes)
+    resolved = make_policy(policy, budget=budget, **policy_params)
+    check_input_ids(model, input_ids)
+    refuse_unevictable(model, limit)
+    row_spans = spans_per_row(spans, input_ids, attention_mask)
+    if resolved.projector.needs_spans and row_spans is None:
+        raise PolicyError(MISSING_SPANS)
+    if question_ids is not None:
+        input_ids, protected = _with_question(model, input_ids, attention_mask, question_ids, resolved.sliding_window)
+        protect_positions = protected if protect_positions is None else torch.cat([protect_positions, protected])
+        attention_mask = None
+    growth = None
+    if chunk is not None or buffer is not None:
+        sized = max_tokens is not None or max_bytes is not None
+        _check_bounded(sized, buffer, chunk, attention_mask, protect_positions, spans)
+        growth = BoundedGrowth.of(resolved, limit, chunk or buffer, model, protect_positions, row_spans)
+    first = input_ids if chunk is None else input_ids[:, :chunk]
+    prefill = observe_prefill(model, first, resolved.needs, attention_mask=attention_mask)
+    if growth is not None:
+        growth.start(prefill)
+    cache = prefill.cache.keep(_keep_rows(prefill, resolved, limit, protect_positions, row_spans))
+    if growth is not None:
+        if chunk is not None and input_ids.shape[1] > chunk:
+            _feed_chunks(model, cache, growth, input_ids[:, chunk:], chunk)
+        cache.growth = None if buffer is None else dataclasses.replace(growth, buffer=buffer)
+    return cache
+
+
+def _keep_rows(
+    prefill: Prefill,
+    policy: Policy,
+    limit: Budget,
+    protect: torch.Tensor | None,
+    spans: Sequence[torch.Tensor] | None = None,
+) -> list[list[list[torch.Tensor]]]:
+    """Stored indices every row of `prefill` keeps; a policy error names the row of a batch.
+
+    A byte budget pays for the sliding-window layers' windows first (`Budget.reserve`). `spans`:
+    each row's span ids over its real tokens (`spans_per_row`).
+    """
+    limit = limit.reserve(prefill.cache.window_nbytes())
+    keep = []
+    for row, observations in enumerate(prefill.observations):
+        try:
+            row_spans = None if spans is None else spans[row]
+            keep.append(prefill.stored(row, policy.keep_indices(observations, limit, protect, row_spans)))
+        except PolicyError as err:
+            if len(prefill.observations) == 1:
+                raise
+            raise PolicyError(f"sequence {row} of the batch: {err}") from None
+    return keep
+
+
+def spans_per_row(
+    spans: torch.Tensor | None, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+) -> list[torch.Tensor] | None:
+    """Each sequence's span ids over its real tokens, from `compress`'s `spans` (`[tokens]` or `[batch, tokens]`)."""
+    if spans is None:
+        return None
+    if not isinstance(spans, torch.Tensor) or spans.is_floating_point() or spans.dtype == torch.bool:
+        raise PolicyError("spans must be an integer tensor: a span id per token position")
+    if spans.ndim == 1:
+        return [spans] * input_ids.shape[0]
+    if spans.shape != input_ids.shape:
+        raise PolicyError(
+            f"spans must have shape [tokens] or the shape of input_ids {tuple(input_ids.shape)}, "
+            f"got {tuple(spans.shape)}"
+        )
+    if attention_mask is None:
+        return list(spans)
+    return [row[real.to(row.device).bool()] for row, real in zip(spans, attention_mask, strict=True)]
+
+
+def refuse_unevictable(model: torch.nn.Module, budget: Budget) -> None:
+    """A clear error when a budget asks to evict from a model whose every layer keeps its own sliding window."""
+    windows = layer_windows(model)
+    if None in windows or budget == Rate(0.0):
+        return
+    raise PolicyError(
+        f"nothing to evict: every layer of {type(model).__name__} is a sliding-window layer "
+        f"(sliding_window={windows[0]}), whose cache already holds at most the last {windows[0] - 1} tokens per "
+        "(layer, kv-head) and is never evicted by a policy; kvsieve evicts full-attention layers. Use rate=0 to "
+        "keep the windows as they are, or the model's own cache"
+    )
+
+
+def _check_bounded(
+    sized: bool,
+    buffer: int | None,
+    chunk: int | None,
+    attention_mask: torch.Tensor | None,
+    protect: object,
+    spans: object = None,
+) -> None:
+    """A clear error for a buffer or a chunked prefill that cannot be honoured."""
+    if not sized:
+        raise PolicyError("buffer and chunk bound a size budget (max_tokens or max_bytes); a rate has no size")
+    if chunk is not None:
+        check_count("chunk", chunk)
+    padded = attention_mask is not None and not bool(attention_mask.bool().all())
+    if padded and chunk is not None:
+        raise PolicyError("a chunked prefill takes unpadded prompts; compress padded rows one at a time")
+    if padded and protect is not None:
+        raise PolicyError(
+            "protect_positions with a buffer take unpadded prompts (positions stay protected during generation, "
+            "and padding shifts them per row); compress padded rows one at a time"
+        )
+    if padded and spans is not None:
+        raise PolicyError(
+            "spans with a buffer take unpadded prompts (they are read again at every eviction during generation, "
+            "and padding shifts positions per row); compress padded rows one at a time"
+        )
+
+
+@torch.no_grad()
+def _feed_chunks(
+    model: torch.nn.Module, cache: SievedCache, growth: BoundedGrowth, rest: torch.Tensor, chunk: int
+) -> None:
+    """Feed `rest` `chunk` tokens at a time; `growth` evicts to the budget before each chunk and after the last."""
+    cache.growth = growth
+    with sieve_attention(model):
+        for start in range(0, rest.shape[1], chunk):
+            model(input_ids=rest[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    growth.evict(cache)
+
+
+def bounded_cache(
+    model: torch.nn.Module,
+    policy: str | Policy = "streaming",
+    *,
+    max_tokens: int | None = None,
+    max_bytes: int | None = None,
+    buffer: int = DEFAULT_BUFFER,
+    budget: str | None = None,
+    **policy_params: object,
+) -> SievedCache:
+    """An empty cache that holds a size budget from its first token on: feed it a stream of any length.
+
+    Feed it under `kvsieve.sieve_attention(model)` (`model.generate(ids, past_key_values=cache)`, or
+    forwards of chunks of a long document): before a forward would take a sequence past the budget
+    plus `buffer` entries per (layer, kv-head) on average, every layer is evicted back to the budget.
+    Forwards of `buffer` tokens each therefore evict exactly where token-by-token decoding would
+    when the budget is a multiple of `buffer`; a longer forward takes the cache past budget + buffer
+    by the difference until the next eviction.
+
+    Args:
+        policy, budget, policy_params: as for `compress`.
+        max_tokens, max_bytes: the size (one of them), as for `compress`.
+        buffer: entries per (layer, kv-head) the cache grows past the budget before it is evicted.
+    """
+    if max_tokens is None and max_bytes is None:
+        raise PolicyError("a bounded cache needs a size: max_tokens or max_bytes")
+    limit = make_budget(None, max_tokens, max_bytes)
+    resolved = make_policy(policy, budget=budget, **policy_params)
+    refuse_unevictable(model, limit)
+    cache = SievedCache.for_model(model)
+    cache.growth = BoundedGrowth.of(resolved, limit, buffer, model)
+    return cache

@@ -1,0 +1,52 @@
+"""Many evictions of one observed prefill, as the rows of one cache ("prefill once, sieve many")."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..selection.budget import Budget, as_budget
+from ..selection.observation import Observation
+from ..selection.policy import Policy, make_policy
+from .cache import SievedCache
+from .prefill import Prefill
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """One eviction of a prefill: a policy (None: keep everything), a budget (a rate, or `kvsieve.budget`'s
+    `MaxTokens` / `MaxBytes`), positions never to evict and the sequence's spans (`[n_tokens]`, a span id
+    per token position, for ``projection=sentence``; see `Policy.keep_indices`)."""
+
+    policy: str | Policy | None
+    budget: float | Budget = 0.0
+    protect_positions: torch.Tensor | None = None
+    spans: torch.Tensor | None = None
+
+    def keep_indices(self, observations: Sequence[Observation], reserved: int = 0) -> list[list[torch.Tensor]]:
+        """Per observed layer and kv-head, the entries to keep; `reserved`: bytes per sequence of the
+        sliding-window layers at their window, which a byte budget sets aside first."""
+        if self.policy is None:
+            return [[torch.arange(o.length) for _ in range(o.num_kv_heads)] for o in observations]
+        budget = as_budget(self.budget).reserve(reserved)
+        return make_policy(self.policy).keep_indices(observations, budget, self.protect_positions, self.spans)
+
+
+class EvictionPlan(Protocol):
+    """Anything that says which observed entries of one sequence to keep (`Eviction`, or a variant of one)."""
+
+    def keep_indices(self, observations: Sequence[Observation], reserved: int = 0) -> list[list[torch.Tensor]]: ...
+
+
+def evictions(prefill: Prefill, plans: Sequence[EvictionPlan], row: int = 0) -> SievedCache:
+    """One cache whose row `i` is sequence `row` of `prefill` evicted by `plans[i]`.
+
+    "Prefill once, sieve many" in one batch: a sweep decodes every (policy, rate) of a sample in
+    one batched pass. The prefill's own cache is left as it is.
+    """
+    reserved = prefill.cache.window_nbytes()
+    keep = [prefill.stored(row, plan.keep_indices(prefill.observations[row], reserved)) for plan in plans]
+    return prefill.cache.keep(keep, rows=[row] * len(keep))

@@ -1,0 +1,200 @@
+"""Eviction during generation: a cache held at a size budget while it grows.
+
+A `BoundedGrowth` rides on a `SievedCache`. Before a forward appends new tokens, it checks every
+sequence: if the entries would pass the budget plus `buffer` per (layer, kv-head) on average, the
+policy scores what the cache holds (`cached_observations`) and the cache is evicted back to the
+budget, every layer at once (the allocator splits the budget as after a prefill). So the cache
+never holds more than `budget + buffer` entries per (layer, kv-head) on average, and eviction
+runs once every `buffer` decoding steps. Cost per eviction: one scoring of every held entry and
+one copy of the kept ones; between evictions, nothing.
+
+Scorers run on what the cache holds plus what they declared (`Needs`), kept up to date at a cost
+per step and layer only when asked for:
+- recent queries (`RecentQueries`: the prefill's last `window` queries, then every later query,
+  per layer and row): one copy of the query (`window`, `snapkv`, `tova`, `caote`, `critical`, `expected`);
+- attention accumulated online (`h2o`, `importance`, `vatp`): every query adds the attention it paid
+  to every stored entry to that entry's sums (`Segments.received`, one float per entry and query
+  head, seeded from the prefill and evicted with the entry). Sieve attention then computes the
+  layer's attention with an explicit softmax instead of fused SDPA, and adds its column sums;
+- the output projection (`critical`) and the rotary embedding (`expected`): read from the model,
+  nothing per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..selection.budget import SizeBudget, check_count
+from ..selection.errors import PolicyError
+from ..selection.observation import Observation, Statistics
+from ..selection.policy import Policy
+from ..selection.projection import MISSING_SPANS
+from ..selection.rotary import Rotary, find_rotary
+from .cache import SievedCache
+from .cache_observations import cached_observations
+from .prefill import Prefill
+from .statistics import layer_statistics
+
+#: Tokens a bounded cache may grow past its budget before it is evicted back to it.
+DEFAULT_BUFFER = 64
+
+
+class RecentQueries:
+    """The last `window` queries (after RoPE, float32) of every layer and row, and their cache positions."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.queries: dict[int, torch.Tensor] = {}  # layer -> [rows, q_heads, w, d]
+        self.positions: dict[int, torch.Tensor] = {}  # layer -> [rows, w]
+
+    def seed(self, prefill: Prefill) -> None:
+        """Start from the last queries an observed prefill recorded (positions become cache positions)."""
+        for column, observed in enumerate(prefill.observations[0]):
+            layer = observed.layer_idx
+            stats = [observations[column].stats for observations in prefill.observations]
+            self.queries[layer] = torch.stack([s.window_queries for s in stats])
+            self.positions[layer] = torch.stack(
+                [
+                    s.window_positions if entries is None else entries[s.window_positions]
+                    for s, entries in zip(stats, prefill.entries, strict=True)
+                ]
+            )
+
+    def append(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor) -> None:
+        """Log a forward's queries `[rows, q_heads, q, d]` at cache positions `[q]`, keeping the last `window`."""
+        rows = query.shape[0]
+        if layer_idx not in self.queries:  # a cache that started empty
+            self.queries[layer_idx] = query.new_empty(rows, query.shape[1], 0, query.shape[-1], dtype=torch.float32)
+            self.positions[layer_idx] = positions.new_empty(rows, 0)
+        held = self.queries[layer_idx]
+        if rows != held.shape[0]:
+            raise ValueError(
+                f"the bounded cache logs queries of {held.shape[0]} sequence(s), got {query.shape[0]}; "
+                "rows cannot be added or reordered (beam search, num_return_sequences) on a bounded cache"
+            )
+        self.queries[layer_idx] = torch.cat([held, query.detach().float()], dim=2)[:, :, -self.window :]
+        self.positions[layer_idx] = torch.cat(
+            [self.positions[layer_idx], positions.to(held.device).expand(rows, -1)], dim=1
+        )[:, -self.window :]
+
+    def statistics(self, layer_idx: int, row: int, base: Statistics) -> Statistics:
+        """`base` with the layer's recent queries of `row`."""
+        return dataclasses.replace(
+            base, window_queries=self.queries[layer_idx][row], window_positions=self.positions[layer_idx][row]
+        )
+
+
+@dataclass(frozen=True)
+class BoundedGrowth:
+    """Keeps a cache at `budget` (plus at most `buffer` entries per (layer, kv-head) on average) while it grows.
+
+    Attributes:
+        policy: scores and allocates, as for the prefill.
+        budget: the size (`MaxTokens` or `MaxBytes`) of every sequence.
+        buffer: entries per (layer, kv-head) the cache grows past the budget before it is evicted.
+        layers: each layer's `Statistics` (`kvsieve.observe.layer_statistics`).
+        queries: the recent queries the policy's scorer reads (None if it reads none).
+        rotary: the model's rotary embedding, if the scorer reads it.
+        protect: cache positions never evicted (a question), besides the policy's sinks and window.
+        spans: per sequence, the span id of every cache position (``projection=sentence``; positions
+            past them, such as generated tokens, are spans of their own).
+    """
+
+    policy: Policy
+    budget: SizeBudget
+    buffer: int
+    layers: Sequence[Statistics]
+    queries: RecentQueries | None = None
+    rotary: Rotary | None = None
+    protect: torch.Tensor | None = None
+    spans: Sequence[torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        check_count("buffer", self.buffer)
+        if self.policy.projector.needs_spans and self.spans is None:
+            raise PolicyError(MISSING_SPANS)
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether the cache sums the attention every entry receives (the scorer reads it)."""
+        return self.policy.needs.accumulated
+
+    @classmethod
+    def of(
+        cls,
+        policy: Policy,
+        budget: SizeBudget,
+        buffer: int,
+        model: torch.nn.Module,
+        protect: torch.Tensor | None = None,
+        spans: Sequence[torch.Tensor] | None = None,
+    ) -> BoundedGrowth:
+        """A bounded growth that keeps what the policy's scorer reads (`start` it from a prefill, if any)."""
+        needs = policy.needs
+        queries = RecentQueries(needs.window) if needs.window else None
+        rotary = find_rotary(model) if needs.rotary else None
+        spans = None if spans is None else tuple(spans)
+        return cls(policy, budget, buffer, layer_statistics(model, needs), queries, rotary, protect, spans)
+
+    def start(self, prefill: Prefill) -> None:
+        """Take the recent queries and the attention sums from the prefill the cache is compressed from.
+
+        Call it before the prefill's cache is evicted: the sums then move with the kept entries.
+        """
+        if self.queries is not None:
+            self.queries.seed(prefill)
+        if self.accumulates:
+            seed_received(prefill)
+
+    def before_append(self, cache: SievedCache, incoming: int) -> None:
+        """Evict every sequence back to the budget if appending `incoming` tokens would pass budget + buffer."""
+        layers = [cache.layers[idx].segments for idx in cache.full_layers]
+        if not layers or any(segments is None for segments in layers):
+            return
+        heads = sum(segments.heads for segments in layers)
+        budget = self.budget.reserve(cache.window_nbytes())  # sliding-window layers' bytes come first
+        limit = budget.tokens_per_head(heads, layers[0].entry_bytes()) + self.buffer
+        if max(cache.mean_stored(row) for row in range(cache.batch_size)) + incoming <= limit:
+            return
+        self.evict(cache)
+
+    def evict(self, cache: SievedCache) -> None:
+        """Evict every sequence of `cache` back to the budget."""
+        budget = self.budget.reserve(cache.window_nbytes())  # sliding-window layers' bytes come first
+        keep = []
+        for row in range(cache.batch_size):
+            spans = None if self.spans is None else self.spans[row]
+            keep.append(self.policy.keep_indices(self.observations(cache, row), budget, self.protect, spans))
+        cache.evict(keep)
+
+    def observations(self, cache: SievedCache, row: int) -> list[Observation]:
+        """What the scorer reads for one sequence: the entries the cache holds and the recent queries."""
+        layers = list(self.layers)
+        if self.queries is not None:
+            for idx in cache.full_layers:
+                layers[idx] = self.queries.statistics(idx, row, layers[idx])
+        return cached_observations(cache, layers, row, self.rotary)
+
+
+def seed_received(prefill: Prefill) -> None:
+    """Store the attention every prefill entry received (`Statistics.received`) in the prefill's cache.
+
+    Only full-attention layers are observed (`cache.full_layers`, in order). Padding entries get 0.
+    From then on the sums move and are evicted with their entries.
+    """
+    for position, idx in enumerate(prefill.cache.full_layers):
+        segments = prefill.cache.layers[idx].segments
+        per_row = []
+        for row, observations in enumerate(prefill.observations):
+            received = observations[position].received("the bounded cache")  # [q_heads, n_real]
+            received = received.unflatten(0, (segments.heads, -1)).transpose(1, 2)  # [heads, n_real, group]
+            entries = prefill.entries[row]
+            if entries is not None:
+                full = received.new_zeros(segments.heads, segments.max_length, received.shape[-1])
+                received = full.index_copy_(1, entries, received)
+            per_row.append(received)
+        segments.add_received(torch.stack(per_row))

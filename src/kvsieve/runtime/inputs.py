@@ -1,0 +1,37 @@
+"""Checks of what a user passes in: token ids and attention masks, with errors that name the problem."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from ..selection.errors import UnhookableModelError
+
+
+def check_input_ids(model: torch.nn.Module, input_ids: torch.Tensor, what: str = "input_ids") -> None:
+    """A clear error for ids that are not a `[batch, tokens]` LongTensor of the model's vocabulary."""
+    if not isinstance(model, PreTrainedModel):
+        raise UnhookableModelError(f"{type(model).__name__} is not a transformers PreTrainedModel")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long or input_ids.ndim != 2:
+        raise ValueError(f"{what} must be a LongTensor of shape [batch, tokens]")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"{what} is empty (shape {tuple(input_ids.shape)})")
+    vocab = model.get_input_embeddings().num_embeddings
+    bad = input_ids[(input_ids < 0) | (input_ids >= vocab)]
+    if bad.numel():
+        outside = bad.unique()[:8].tolist()
+        raise ValueError(f"{what} holds token ids outside the model's vocabulary of {vocab}: {outside}")
+
+
+def real_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """`[rows, n]` bool: the real tokens (1 in `attention_mask`), with a clear error for a bad mask."""
+    if attention_mask is None:
+        return torch.ones_like(input_ids, dtype=torch.bool)
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+        raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}")
+    real = attention_mask.to(device=input_ids.device).bool()
+    empty = (~real.any(dim=1)).nonzero().flatten()
+    if empty.numel():
+        raise ValueError(f"sequence(s) {empty.tolist()} of the batch have no real token (attention_mask all 0)")
+    return real

@@ -1,0 +1,177 @@
+"""The observed prefill: one full-cache forward that records what the policy's scorer `Needs`, per layer and sequence.
+
+Sieve attention hands every layer's queries (and, when asked, the attention each key received) to a
+`PrefillRecorder`; the result is a full `SievedCache` and one `Observation` per (sequence,
+full-attention layer). One prefill serves every (policy, rate): it does not depend on the policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..selection.errors import UnhookableModelError
+from ..selection.gates import RetentionGates
+from ..selection.observation import DEFAULT_WINDOW, Needs, Observation, Statistics
+from ..selection.rotary import Rotary, find_rotary
+from .attention import sieve_attention
+from .cache import SievedCache, SievedLayer
+from .inputs import check_input_ids, real_tokens
+from .statistics import needed_gates, output_projection
+
+
+class PrefillRecorder:
+    """Collects what a scorer `Needs` from every layer of an observed prefill, per sequence.
+
+    Args:
+        needs: what to record.
+        real: `[rows, n]` bool, the real (non-padding) tokens of every sequence.
+    """
+
+    def __init__(self, needs: Needs, real: torch.Tensor, gates: Mapping[str, RetentionGates] | None = None) -> None:
+        self.needs = needs
+        self.gates = gates or {}
+        self.accumulate = needs.accumulated
+        self.real = real
+        self.padded = not bool(real.all())
+        self.query_weight = real.float() if self.padded else None
+        self.counts = real.sum(dim=1)
+        window = min(needs.window, int(self.counts.min()))
+        # cache positions of each row's last `window` real tokens, and their token positions
+        self.window_index = torch.stack([row.nonzero().flatten()[-window:] for row in real]) if window else None
+        self.layers: dict[int, list[Statistics]] = {}
+
+    def record(
+        self,
+        layer_idx: int,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        scaling: float,
+        received: torch.Tensor | None,
+    ) -> None:
+        if layer_idx in self.layers:
+            raise RuntimeError(f"layer {layer_idx} was observed twice in one prefill")
+        weight = output_projection(module) if self.needs.output_projection else None
+        rows = []
+        for row in range(query.shape[0]):
+            window_queries = window_positions = None
+            if self.window_index is not None:
+                window_queries = query[row][:, self.window_index[row]].float()
+                window_positions = torch.arange(int(self.counts[row]), device=query.device)[-window_queries.shape[1] :]
+            row_received = None
+            if received is not None:
+                row_received = received[row][:, self.real[row]] if self.padded else received[row]
+            rows.append(
+                Statistics(
+                    scaling=scaling,
+                    q_heads=query.shape[1],
+                    window_queries=window_queries,
+                    window_positions=window_positions,
+                    received=row_received,
+                    output_weight=weight,
+                    gates=self.gates,
+                )
+            )
+        self.layers[layer_idx] = rows
+
+
+@dataclass
+class Prefill:
+    """A full-cache prefill and its observations: one serves every (policy, rate) pair.
+
+    Attributes:
+        cache: the full cache (every token of every sequence, padding included).
+        observations: `[row][j]` the observation of each sequence's real tokens in the `j`-th full-attention
+            layer (`cache.full_layers[j]`; sliding-window layers are not observed).
+        entries: per row, the stored index of each observed entry (None: the identity).
+        last_logits: `[rows, vocab]` logits of each sequence's last real token.
+    """
+
+    cache: SievedCache
+    observations: list[list[Observation]]
+    entries: list[torch.Tensor | None]
+    last_logits: torch.Tensor
+
+    def stored(self, row: int, keep: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Keep indices over a row's observed entries, as indices of its stored entries."""
+        entries = self.entries[row]
+        if entries is None:
+            return [list(layer) for layer in keep]
+        return [[entries[index] for index in layer] for layer in keep]
+
+
+def _last_logits(model: torch.nn.Module, call: Callable[..., torch.Tensor], real: torch.Tensor) -> torch.Tensor:
+    """Logits `[rows, vocab]` of each row's last real token, computing the head only where needed."""
+    last = torch.stack([row.nonzero().flatten()[-1] for row in real])
+    columns, where = last.unique(return_inverse=True)
+    logits = call(logits_to_keep=columns if columns.numel() > 1 else int(real.shape[1] - columns[0]))
+    return logits[torch.arange(real.shape[0], device=logits.device), where]
+
+
+@torch.no_grad()
+def observe_prefill(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    needs: Needs | None = None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+) -> Prefill:
+    """Run one full-cache prefill with sieve attention and observe every layer of every sequence.
+
+    Args:
+        input_ids: `[rows, n]`; padded sequences (left or right) need `attention_mask`.
+        needs: what to record besides the entries (default: the last `DEFAULT_WINDOW` queries).
+        attention_mask: `[rows, n]`, 1 for real tokens and 0 for padding.
+    """
+    needs = Needs(window=DEFAULT_WINDOW) if needs is None else needs
+    if needs.window < 0:
+        raise ValueError(f"the observation window must be >= 0, got {needs.window}")
+    check_input_ids(model, input_ids)
+    real = real_tokens(input_ids, attention_mask)
+    recorder = PrefillRecorder(needs, real, needed_gates(model, needs))
+    cache = SievedCache.for_model(model)
+    cache.recorder = recorder
+    inputs = {"input_ids": input_ids, "past_key_values": cache, "use_cache": True}
+    if recorder.padded:
+        inputs |= {"attention_mask": real.long(), "position_ids": (real.long().cumsum(-1) - 1).clamp(min=0)}
+    try:
+        with sieve_attention(model):
+            last_logits = _last_logits(model, lambda **extra: model(**inputs, **extra).logits, real)
+    finally:
+        cache.recorder = None
+    num_layers, full = len(cache.layers), cache.full_layers
+    if num_layers == 0 or sorted(recorder.layers) != full:
+        raise UnhookableModelError(
+            f"{type(model).__name__}: sieve attention saw {len(recorder.layers)} of {len(full)} full-attention "
+            "layers; its attention does not go through the transformers attention interface"
+        )
+    rotary = find_rotary(model) if needs.rotary and full else None
+    entries = [row.nonzero().flatten() if recorder.padded else None for row in real]
+    observations = [
+        [
+            _prefill_observation(cache.layers[i], row, entries[row], recorder.layers[i][row], i, num_layers, rotary)
+            for i in full
+        ]
+        for row in range(input_ids.shape[0])
+    ]
+    return Prefill(cache=cache, observations=observations, entries=entries, last_logits=last_logits)
+
+
+def _prefill_observation(
+    layer: SievedLayer,
+    row: int,
+    entries: torch.Tensor | None,
+    stats: Statistics,
+    layer_idx: int,
+    num_layers: int,
+    rotary: Rotary | None,
+) -> Observation:
+    """The observation of one row's real tokens in a freshly prefilled (strided, unevicted) layer."""
+    view = layer.segments.padded()
+    keys, values = view.keys[row], view.values[row]
+    if entries is not None:
+        keys, values = keys[:, entries], values[:, entries]
+    positions = torch.arange(keys.shape[1], device=keys.device).expand(keys.shape[0], -1)
+    return Observation(layer_idx, num_layers, keys, values, positions, None, stats, rotary)

@@ -1,0 +1,280 @@
+"""Ragged storage of one cache layer: one segment of entries per (sequence, kv-head), packed in flat buffers.
+
+Segment `s = row * heads + head` owns rows `[starts[s], starts[s] + lengths[s])` of three flat
+buffers: keys and values `[capacity, head_dim]` and the entries' cache positions `[capacity]`.
+A segment may have free room after its entries (`capacity[s] - lengths[s]`), handed out when
+decoding outgrows it: `GROWTH` of its length, at least `BLOCK` entries, so the room stays
+within 2% of the entries plus one block per head while moves stay rare. The buffers end with
+one *null entry* (zero key and value, position `PAD_POSITION`) that padded views point at.
+
+Two layouts, chosen by the lengths: when every segment holds as many entries (and has as much
+room), the buffers are a grid `[rows, heads, capacity, head_dim]` and a padded view of them is
+free; otherwise the segments are packed and a padded view is gathered through `slots`, a
+`[segments, width]` table of every segment's buffer rows, its room included (width = the
+largest capacity; free room holds zeros), with an additive attention bias that opens a slot
+when an entry is appended to it.
+
+A scorer that reads attention accumulated online (H2O) needs one more number per entry and query
+head: the attention it received so far (`received`, float32 `[capacity, group]`). It is kept only
+when asked for (`add_received`), starts at 0 for every appended entry, and moves and is evicted
+with its entry.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..selection.observation import entry_bytes
+
+#: Position of the padding slots in padded views: after every real position, so causal masks hide them.
+PAD_POSITION = torch.iinfo(torch.long).max
+
+#: Free room a segment gets when appending finds it full: this fraction of its length ...
+GROWTH = 0.02
+#: ... and at least this many entries (one block), so short segments are not moved every step.
+BLOCK = 16
+
+
+@dataclass(frozen=True)
+class Slots:
+    """Which slots of a padded view hold entries, and at which cache positions (no key or value tensor).
+
+    Attributes:
+        bias: `[rows, heads, width]` additive attention bias, 0 where a slot holds an entry and
+            -inf where it is padding; None when every slot holds one.
+        source: the positions, `[rows, heads, width]` for a grid, the flat buffer otherwise.
+        index: the flat buffer row of every slot (None for a grid).
+    """
+
+    bias: torch.Tensor | None
+    source: torch.Tensor
+    index: torch.Tensor | None
+
+    def valid(self) -> torch.Tensor | None:
+        """`[rows, heads, width]` bool: which slots hold an entry (None: all of them)."""
+        return None if self.bias is None else self.bias == 0
+
+    def positions(self) -> torch.Tensor:
+        """`[rows, heads, width]` cache positions of the slots (`PAD_POSITION` for padding)."""
+        if self.index is None:
+            return self.source
+        return self.source.index_select(0, self.index).view(self.bias.shape)
+
+
+@dataclass(frozen=True)
+class PaddedView:
+    """Every segment's entries, left-aligned and padded to the longest: keys and values
+    `[rows, heads, length, head_dim]` (padding slots hold zeros) and their `Slots`."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    slots: Slots
+
+
+def _exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(values, 0) - values
+
+
+def _buffers(
+    entries: int, like: torch.Tensor, value_dim: int, *, zeroed: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Key and value buffers and `PAD_POSITION` positions for `entries` rows plus the null entry.
+
+    The null entry is always zero; the other rows are zeroed only if `zeroed` (free room must hold
+    zeros, since padded views read it); otherwise the caller writes every one of them.
+    """
+    make = like.new_zeros if zeroed else like.new_empty
+    keys, values = make(entries + 1, like.shape[-1]), make(entries + 1, value_dim)
+    keys[-1], values[-1] = 0, 0
+    positions = torch.full((entries + 1,), PAD_POSITION, dtype=torch.long, device=like.device)
+    return keys, values, positions
+
+
+class Segments:
+    """The entries of one layer, stored per (row, kv-head) with their cache positions."""
+
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        lengths: Sequence[int],
+        capacity: Sequence[int],
+        rows: int,
+    ) -> None:
+        self.rows = rows
+        self.heads = len(lengths) // rows
+        self.received: torch.Tensor | None = None  # attention received per entry and query head (on demand)
+        self._assign(keys, values, positions, lengths, capacity)
+
+    def _assign(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        lengths: Sequence[int],
+        capacity: Sequence[int],
+    ) -> None:
+        self.keys, self.values, self.positions = keys, values, positions
+        self.lengths, self.capacity = list(lengths), list(capacity)
+        self.free = min(c - n for c, n in zip(self.capacity, self.lengths, strict=True))
+        device = keys.device
+        capacity_t = torch.tensor(self.capacity, dtype=torch.long, device=device)
+        self.starts = _exclusive_cumsum(capacity_t)
+        self.grid = len(set(self.capacity)) == 1 and len(set(self.lengths)) == 1
+        if self.grid:
+            shape = (self.rows, self.heads, self.capacity[0])
+            self._grids = (keys[:-1].view(*shape, -1), values[:-1].view(*shape, -1), positions[:-1].view(shape))
+            return
+        lengths_t = torch.tensor(self.lengths, dtype=torch.long, device=device)
+        width = max(self.capacity)
+        slot = torch.arange(width, device=device)
+        self.slots = torch.where(slot < capacity_t[:, None], self.starts[:, None] + slot, self.null_index)
+        valid = slot < lengths_t[:, None]
+        self.bias = torch.zeros(valid.shape, dtype=keys.dtype, device=device).masked_fill_(~valid, float("-inf"))
+        # the next free buffer row and the next free flat bias slot of every segment
+        self._cursor = torch.stack((self.starts, torch.arange(self.segments, device=device) * width)) + lengths_t
+
+    @classmethod
+    def unfilled(cls, lengths: Sequence[int], rows: int, like: torch.Tensor, value_dim: int) -> Segments:
+        """Exactly-sized segments (no free room) whose entries the caller writes, every one of them."""
+        return cls(*_buffers(sum(lengths), like, value_dim, zeroed=False), lengths, lengths, rows)
+
+    @classmethod
+    def from_dense(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> Segments:
+        """Store `[rows, heads, n, d]` states at cache positions `[n]`: every segment holds all `n` entries."""
+        rows, heads, n, _ = keys.shape
+        out = cls.unfilled([n] * rows * heads, rows, keys, values.shape[-1])
+        for grid, states in zip(out._grids, (keys, values, positions), strict=True):
+            grid.copy_(states)
+        return out
+
+    @property
+    def segments(self) -> int:
+        return self.rows * self.heads
+
+    @property
+    def null_index(self) -> int:
+        return self.keys.shape[0] - 1
+
+    @property
+    def max_length(self) -> int:
+        return max(self.lengths)
+
+    def entry_bytes(self) -> int:
+        """Bytes of one stored entry's key and value."""
+        return entry_bytes(self.keys, self.values)
+
+    def nbytes(self) -> int:
+        """Bytes of the stored keys and values."""
+        return sum(self.lengths) * self.entry_bytes()
+
+    def allocated_nbytes(self) -> int:
+        """Bytes of the key and value buffers (free room and the null entry included) and of `received`."""
+        tally = 0 if self.received is None else self.received.untyped_storage().nbytes()
+        return self.keys.untyped_storage().nbytes() + self.values.untyped_storage().nbytes() + tally
+
+    def segment(self, row: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys `[n, d]`, values `[n, d]` and positions `[n]` of one segment (views)."""
+        s = row * self.heads + head
+        start = int(self.starts[s])
+        stop = start + self.lengths[s]
+        return self.keys[start:stop], self.values[start:stop], self.positions[start:stop]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append `[rows, heads, q, d]` states at cache positions `[q]` to every segment."""
+        q = keys.shape[2]
+        if self.free < q:
+            self._relayout(q)
+        if self.grid:
+            n = self.lengths[0]
+            for grid, states in zip(self._grids, (keys, values, positions), strict=True):
+                grid.narrow(2, n, q).copy_(states)
+        else:
+            cursor = self._cursor[:, :, None]
+            if q > 1:
+                cursor = cursor + torch.arange(q, device=self.keys.device)
+            target, filled = cursor.flatten(1)
+            self.keys.index_copy_(0, target, keys.reshape(-1, keys.shape[-1]))
+            self.values.index_copy_(0, target, values.reshape(-1, values.shape[-1]))
+            self.positions.index_copy_(0, target, positions.expand(self.segments, q).flatten())
+            self.bias.view(-1).index_fill_(0, filled, 0.0)
+            self._cursor += q
+        self.lengths = [n + q for n in self.lengths]
+        self.free -= q
+
+    def _relayout(self, incoming: int) -> None:
+        """Move the entries into new buffers that give every segment room for `incoming` more, plus growth room."""
+        capacity = [n + incoming + max(BLOCK, math.floor(GROWTH * (n + incoming))) for n in self.lengths]
+        buffers = _buffers(sum(capacity), self.keys, self.values.shape[-1], zeroed=True)
+        starts = _exclusive_cumsum(torch.tensor(capacity, dtype=torch.long, device=self.keys.device))
+        # every buffer row of a segment (entries, then zeroed room) moves by the same offset
+        old_capacity = torch.tensor(self.capacity, dtype=torch.long, device=self.keys.device)
+        shift = torch.repeat_interleave(starts - self.starts, old_capacity, output_size=self.null_index)
+        target = torch.arange(self.null_index, device=self.keys.device) + shift
+        for old, new in zip((self.keys, self.values, self.positions), buffers, strict=True):
+            new.index_copy_(0, target, old[:-1])
+        if self.received is not None:
+            received = self.received.new_zeros(buffers[0].shape[0], self.received.shape[1])
+            self.received = received.index_copy_(0, target, self.received[:-1])
+        self._assign(*buffers, self.lengths, capacity)
+
+    def padded(self) -> PaddedView:
+        """Every segment padded: to its length for a grid (free), to the widest room otherwise (gathered)."""
+        if self.grid:
+            length = self.lengths[0]
+            keys, values, positions = (grid.narrow(2, 0, length) for grid in self._grids)
+            return PaddedView(keys, values, Slots(None, positions, None))
+        shape = (self.rows, self.heads, self.slots.shape[1])
+        index = self.slots.view(-1)
+        return PaddedView(
+            keys=self.keys.index_select(0, index).view(*shape, -1),
+            values=self.values.index_select(0, index).view(*shape, -1),
+            slots=Slots(self.bias.view(shape), self.positions, index),
+        )
+
+    def select(self, sources: Sequence[int], indices: Sequence[torch.Tensor], rows: int) -> Segments:
+        """New exactly-sized segments: output segment `i` keeps entries `indices[i]` of segment `sources[i]`."""
+        device = self.keys.device
+        pieces = [
+            index.to(device=device, dtype=torch.long) + self.starts[source]
+            for source, index in zip(sources, indices, strict=True)
+        ]
+        lengths = [int(p.numel()) for p in pieces]
+        flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long, device=device)
+        out = Segments.unfilled(lengths, rows, self.keys, self.values.shape[-1])
+        for old, new in ((self.keys, out.keys), (self.values, out.values), (self.positions, out.positions)):
+            new[:-1] = old.index_select(0, flat)
+        if self.received is not None:
+            out.received = torch.cat([self.received.index_select(0, flat), self.received.new_zeros(1, self.group)])
+        return out
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv-head that `received` counts (0 when it is not kept)."""
+        return 0 if self.received is None else self.received.shape[1]
+
+    def _received_grid(self) -> torch.Tensor:
+        return self.received[:-1].view(self.rows, self.heads, self.capacity[0], -1).narrow(2, 0, self.lengths[0])
+
+    def padded_received(self) -> torch.Tensor:
+        """`received` in the shape of `padded()`: `[rows, heads, length, group]` (padding slots hold 0)."""
+        if self.received is None:
+            raise ValueError("this layer keeps no attention sums; a scorer that reads them must ask for them")
+        if self.grid:
+            return self._received_grid()
+        return self.received.index_select(0, self.slots.view(-1)).view(self.rows, self.heads, -1, self.group)
+
+    def add_received(self, received: torch.Tensor) -> None:
+        """Add `[rows, heads, length, group]` attention (laid out as `padded()`) to the entries' sums."""
+        if self.received is None:
+            self.received = received.new_zeros(self.null_index + 1, received.shape[-1], dtype=torch.float32)
+        if self.grid:
+            self._received_grid().add_(received)
+        else:
+            self.received.index_add_(0, self.slots.view(-1), received.reshape(-1, self.group).float())
+            self.received[-1] = 0

@@ -1,0 +1,107 @@
+"""Retention gates: a learned decay rate for every cache entry (TRIM-KV, arXiv 2512.03324; DBTrimKV, arXiv 2605.09649).
+
+Each (layer, kv-head) has a small hidden layer that reads the entry's own key (RoPE undone) and
+value (each at unit RMS, plus the log of their RMS); one scoring projection, the same parameters
+for every layer and head (DBTrimKV's shared final projection), turns that into `log beta` in
+(-inf, 0] through a log-sigmoid. At time `t` the
+entry written at position `i` scores `(t - i) * log beta`: it decays at its own rate, and because
+every layer and head ends in the same projection, the scores of all of them sit on one axis and one
+global top-k can compare them.
+
+TRIM-KV's gate reads the layer's normalised hidden state when the entry is written, and its cache
+stores `beta`. Ours reads the entry itself (`W_k x` with RoPE undone, and `W_v x`, for that head),
+so `beta` can be recomputed from any cache, after any eviction, with nothing stored beside it; and
+no model layer has to be hooked to see its hidden state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import PreTrainedModel
+
+from .architecture import layer_windows
+
+#: Initial bias of the scoring projection: `log sigmoid(6) = -0.0025`, so every entry starts almost fully kept.
+DEFAULT_BIAS_INIT = 6.0
+#: Hidden units per (layer, kv-head).
+DEFAULT_WIDTH = 32
+
+
+@dataclass(frozen=True)
+class GateShape:
+    """The dimensions that tie a set of gates to a model.
+
+    Attributes:
+        layers: model indices of the layers that have gates (the full-attention ones).
+        kv_heads, head_dim: of those layers.
+        width: hidden units per (layer, kv-head).
+    """
+
+    layers: tuple[int, ...]
+    kv_heads: int
+    head_dim: int
+    width: int = DEFAULT_WIDTH
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"layers": list(self.layers)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> GateShape:
+        return cls(tuple(data["layers"]), data["kv_heads"], data["head_dim"], data["width"])
+
+
+def gate_shape(model: PreTrainedModel, width: int = DEFAULT_WIDTH) -> GateShape:
+    """The gates `model` needs: one per kv-head of each full-attention layer (sliding layers keep their window)."""
+    attention = model.base_model.layers[0].self_attn
+    full = tuple(i for i, window in enumerate(layer_windows(model)) if window is None)
+    return GateShape(full, attention.config.num_key_value_heads, attention.head_dim, width)
+
+
+class RetentionGates(nn.Module):
+    """`log beta` of each entry of each gated layer: per-(layer, head) hidden layers, one shared scoring projection."""
+
+    def __init__(self, shape: GateShape, bias_init: float = DEFAULT_BIAS_INIT) -> None:
+        super().__init__()
+        self.shape = shape
+        features = 2 * shape.head_dim + 2
+        self.hidden_weight = nn.ParameterDict(
+            {str(layer): nn.Parameter(torch.empty(shape.kv_heads, features, shape.width)) for layer in shape.layers}
+        )
+        self.hidden_bias = nn.ParameterDict(
+            {str(layer): nn.Parameter(torch.zeros(shape.kv_heads, shape.width)) for layer in shape.layers}
+        )
+        self.scoring = nn.Linear(shape.width, 1)
+        for weight in self.hidden_weight.values():
+            nn.init.normal_(weight, std=features**-0.5)
+        nn.init.normal_(self.scoring.weight, std=0.02)
+        nn.init.constant_(self.scoring.bias, bias_init)
+
+    def log_beta(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """`[..., kv_heads, n]` log retention of entries: pre-RoPE `keys`, `values` `[..., kv_heads, n, head_dim]`."""
+        name = str(layer_idx)
+        if name not in self.hidden_weight:
+            raise ValueError(f"layer {layer_idx} has no retention gate; gated layers: {list(self.shape.layers)}")
+        if keys.shape[-3:] != (self.shape.kv_heads, keys.shape[-2], self.shape.head_dim):
+            raise ValueError(
+                f"retention gates expect {self.shape.kv_heads} kv-heads of dimension {self.shape.head_dim}, "
+                f"got keys of shape {tuple(keys.shape)}"
+            )
+        features = entry_features(keys.to(self.scoring.weight.dtype), values.to(self.scoring.weight.dtype))
+        hidden = torch.einsum("...hnf,hfw->...hnw", features, self.hidden_weight[name])
+        hidden = F.silu(hidden + self.hidden_bias[name][:, None])
+        return F.logsigmoid(self.scoring(hidden)[..., 0])
+
+
+def entry_features(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`[..., 2 head_dim + 2]` what a gate reads of each entry: key and value at unit RMS, and their log RMS."""
+    rms = [x.pow(2).mean(-1, keepdim=True).add(1e-12).sqrt() for x in (keys, values)]
+    return torch.cat([keys / rms[0], values / rms[1], rms[0].log(), rms[1].log()], dim=-1)
+
+
+def retention_scores(log_beta: torch.Tensor, positions: torch.Tensor, now: int) -> torch.Tensor:
+    """Geometric retention at time `now`: `(now - position) * log beta` (<= 0; higher = keep)."""
+    return (now - positions).to(log_beta.dtype) * log_beta

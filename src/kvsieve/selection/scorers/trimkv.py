@@ -1,0 +1,42 @@
+"""TrimKV: learned retention `(t - i) * log beta_i` (arXiv 2512.03324; one scale: DBTrimKV, arXiv 2605.09649)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..checkpoint import DEFAULT_GATES
+from ..gates import retention_scores
+from ..observation import Needs, Observation
+from ..rotary import unrotate
+
+
+@dataclass(frozen=True)
+class TrimKVScorer:
+    """Each entry's retention at the next step, from learned retention gates (`kvsieve train-gates`).
+
+    `gates` is a checkpoint folder, or ``"default"`` for the one kvsieve ships for the model. The
+    gates read each entry's key (RoPE undone) and value; every layer and head shares one scoring
+    projection, so scores compare across layers and heads: the `global` allocator takes them raw.
+    """
+
+    name: ClassVar[str] = "trimkv"
+    calibrated: ClassVar[bool] = True
+    gates: str = DEFAULT_GATES
+
+    @property
+    def needs(self) -> Needs:
+        return Needs(rotary=True, gates=(self.gates,))
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        gates = obs.stats.gates.get(self.gates)
+        if obs.rotary is None or gates is None:
+            raise ValueError(f"trimkv needs the rotary embedding and the gates {self.gates!r} (Needs.rotary, .gates)")
+        positions = obs.positions.clamp(min=0)
+        cos, sin = obs.rotary(positions.flatten())
+        keys = unrotate(obs.keys.float(), *(x.view(*positions.shape, -1) for x in (cos, sin)))
+        log_beta = gates.log_beta(obs.layer_idx, keys, obs.values.float())
+        now = obs.seen if obs.seen is not None else int(obs.positions.max()) + 1
+        return retention_scores(log_beta, obs.positions, now)
