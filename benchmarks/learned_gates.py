@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 import kvsieve
-from kvsieve.harness.cli import progress_bar
+from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.data import essay_split, sample_documents, task_samples
 from kvsieve.harness.eval import run_ppl
 from kvsieve.harness.eval.analysis import accuracy_by_rate, against_full

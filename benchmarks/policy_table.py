@@ -19,7 +19,7 @@ from pathlib import Path
 from rich.console import Console
 
 from kvsieve import known_policies, load_model
-from kvsieve.harness.cli import progress_bar
+from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.data import sample_documents
 from kvsieve.harness.eval import run_ppl
 from kvsieve.harness.report import plot_ppl, ppl_markdown, ppl_table

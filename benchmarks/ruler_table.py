@@ -20,7 +20,7 @@ import pandas as pd
 from rich.console import Console
 
 from kvsieve import load_model
-from kvsieve.harness.cli import progress_bar
+from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.data.suites import task_samples
 from kvsieve.harness.eval.analysis import accuracy_by_rate, cliff, hallucination_vs_ger
 from kvsieve.harness.eval.contenders import parse_contenders

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import kvsieve
-from kvsieve.harness.cli import progress_bar
+from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.compare.kvpress import STREAMING_PRESSES
 from kvsieve.harness.eval.streaming import (
     BUCKET,

@@ -135,7 +135,7 @@ def test_ragged_decoding_equals_masked_full_cache(masked_reference, scorer, spec
     model = tiny_llama(seed=5, layers=3, heads=4, kv_heads=2)
     ids = torch.randint(0, 128, (1, 110), generator=torch.Generator().manual_seed(4))
     prefix, cont = ids[:, :90], ids[:, 90:]
-    cache = kvsieve.compress(model, prefix, f"{scorer}+{spec}", 0.8, sliding_window=8)
+    cache = kvsieve.compress(model, prefix, f"{scorer}+{spec}", 0.8, n_recent=8)
     kept = [cache.kept_positions(layer) for layer in range(3)]
     with kvsieve.sieve_attention(model):
         ours = model(cont, past_key_values=cache).logits
@@ -150,7 +150,7 @@ def test_ragged_generate_equals_masked_full_cache(masked_reference, spec):
     """Greedy generation from ragged caches on a GQA model (group 2, 3 kv-heads) matches the masked reference."""
     model = tiny_llama(seed=6, **GQA)
     ids = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(8))
-    cache = kvsieve.compress(model, ids[:, :99], spec, 0.8, sliding_window=8)
+    cache = kvsieve.compress(model, ids[:, :99], spec, 0.8, n_recent=8)
     assert len({n for layer in cache.stored_lengths() for n in layer}) > 1, "expected a ragged cache"
     kept = [cache.kept_positions(layer) for layer in range(3)]
     gen = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}

@@ -11,7 +11,7 @@ GEN = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
 
 @torch.no_grad()
 def test_apply_compresses_each_prompt_and_matches_compress(model, ids):
-    config = kvsieve.EvictionConfig(eviction_rate=0.8, eviction_mode="importance")
+    config = kvsieve.EvictionConfig(rate=0.8, policy="importance")
     with kvsieve.apply(model, config) as handle:
         out = model.generate(ids, **GEN)
         cache = handle.last_cache
@@ -29,7 +29,7 @@ def test_apply_compresses_each_prompt_and_matches_compress(model, ids):
 def test_apply_random_differs_from_importance(model, ids):
     outputs = {}
     for mode in ("importance", "random"):
-        handle = kvsieve.apply(model, kvsieve.EvictionConfig(eviction_rate=0.9, eviction_mode=mode))
+        handle = kvsieve.apply(model, kvsieve.EvictionConfig(rate=0.9, policy=mode))
         model.generate(ids, **GEN)
         outputs[mode] = handle.last_cache.kept_positions(1)
         handle.remove()
@@ -38,18 +38,18 @@ def test_apply_random_differs_from_importance(model, ids):
 
 @torch.no_grad()
 def test_short_prompts_pass_through(model, ids):
-    with kvsieve.apply(model, kvsieve.EvictionConfig(eviction_rate=0.5)) as handle:
+    with kvsieve.apply(model, kvsieve.EvictionConfig(rate=0.5)) as handle:
         model.generate(ids[:, :20], **GEN)
         assert handle.last_cache is None
 
 
 @torch.no_grad()
 def test_apply_with_a_budget_allocator(model, ids):
-    config = kvsieve.EvictionConfig(eviction_rate=0.8, eviction_mode="snapkv", budget="adaptive")
+    config = kvsieve.EvictionConfig(rate=0.8, policy="snapkv", allocator="adaptive")
     with kvsieve.apply(model, config) as handle:
         out = model.generate(ids, **GEN)
         ragged = handle.last_cache.stored_lengths()
-    manual = kvsieve.compress(model, ids[:, :-1], "snapkv", 0.8, budget="adaptive")
+    manual = kvsieve.compress(model, ids[:, :-1], "snapkv", 0.8, allocator="adaptive")
     assert [[n + GEN["max_new_tokens"] for n in layer] for layer in manual.stored_lengths()] == ragged
     with kvsieve.sieve_attention(model):
         assert torch.equal(model.generate(ids, past_key_values=manual, **GEN), out)
@@ -59,14 +59,14 @@ def test_apply_with_a_budget_allocator(model, ids):
 def test_question_aware_compression(model, ids, masked_reference):
     """The question's queries drive the window scores, its entries are protected, and decoding stays exact."""
     context, question = ids[:, :90], ids[:, 90:110]
-    aware = kvsieve.compress(model, context, "snapkv:window=20", 0.8, question_ids=question, sliding_window=4)
-    agnostic = kvsieve.compress(model, context, "snapkv:window=20", 0.8, sliding_window=4)
+    aware = kvsieve.compress(model, context, "snapkv:window=20", 0.8, question_ids=question, n_recent=4)
+    agnostic = kvsieve.compress(model, context, "snapkv:window=20", 0.8, n_recent=4)
     assert aware.get_seq_length() == 110 and agnostic.get_seq_length() == 90
 
     # reference: scores from the joint prefill, whose last 20 queries are exactly the question
     joint = kvsieve.observe_prefill(model, ids[:, :110], kvsieve.Needs(window=32))
     question_positions = torch.arange(90, 110)
-    keep = kvsieve.make_policy("snapkv:window=20,sliding_window=4").keep_indices(
+    keep = kvsieve.make_policy("snapkv:window=20,n_recent=4").select(
         joint.observations[0], 0.8, protect_positions=torch.arange(86, 110)
     )
     for layer in range(3):
@@ -93,7 +93,7 @@ def test_question_aware_compression(model, ids, masked_reference):
 @torch.no_grad()
 def test_apply_compresses_every_row_of_a_padded_batch(model, ids):
     """A left-padded batch: each prompt is compressed with its own budget, and answers equal one-at-a-time apply."""
-    config = kvsieve.EvictionConfig(eviction_rate=0.7, eviction_mode="snapkv+adaptive")
+    config = kvsieve.EvictionConfig(rate=0.7, policy="snapkv+adaptive")
     batch = torch.stack([ids[0], torch.cat([torch.zeros(20, dtype=torch.long), ids[0, :100]])])
     mask = torch.ones_like(batch)
     mask[1, :20] = 0

@@ -47,11 +47,9 @@ def _continue(model, cache, tokens: torch.Tensor, mask: torch.Tensor | None, len
 )
 def test_each_row_equals_compressing_that_sequence_alone(model, prompts, side, spec):
     batch, mask, offsets = _padded(prompts, side)
-    cache = kvsieve.compress(model, batch, spec, 0.6, attention_mask=mask, sliding_window=8)
+    cache = kvsieve.compress(model, batch, spec, 0.6, attention_mask=mask, n_recent=8)
     assert cache.batch_size == 3
-    alone = [
-        kvsieve.compress(model, prompts[r : r + 1, :n], spec, 0.6, sliding_window=8) for r, n in enumerate(LENGTHS)
-    ]
+    alone = [kvsieve.compress(model, prompts[r : r + 1, :n], spec, 0.6, n_recent=8) for r, n in enumerate(LENGTHS)]
     for row, offset in enumerate(offsets):
         assert cache.stored_lengths(row) == alone[row].stored_lengths(), "its own budget over its own real tokens"
         for layer in range(3):
@@ -68,12 +66,12 @@ def test_each_row_equals_compressing_that_sequence_alone(model, prompts, side, s
 @torch.no_grad()
 def test_left_padded_generate_equals_one_at_a_time(model, prompts, spec):
     batch, mask, _ = _padded(prompts, "left")
-    cache = kvsieve.compress(model, batch[:, :-1], spec, 0.7, attention_mask=mask[:, :-1], sliding_window=8)
+    cache = kvsieve.compress(model, batch[:, :-1], spec, 0.7, attention_mask=mask[:, :-1], n_recent=8)
     with kvsieve.sieve_attention(model):
         together = model.generate(batch, attention_mask=mask, past_key_values=cache, **GEN)[:, -6:]
         for row, n in enumerate(LENGTHS):
             ids = prompts[row : row + 1, :n]
-            alone = kvsieve.compress(model, ids[:, :-1], spec, 0.7, sliding_window=8)
+            alone = kvsieve.compress(model, ids[:, :-1], spec, 0.7, n_recent=8)
             ones = torch.ones_like(ids)  # never inferred from pad id 0, which random prompts contain
             assert torch.equal(
                 model.generate(ids, attention_mask=ones, past_key_values=alone, **GEN)[0, -6:], together[row]

@@ -33,8 +33,8 @@ def test_max_tokens_keeps_what_the_equivalent_rate_keeps(model, ids, spec):
     """A size budget changes how many entries stay, not which: 60 entries per head = rate 40/67 of the evictable."""
     prefill = kvsieve.observe_prefill(model, ids[:, :N], kvsieve.make_policy(spec).needs)
     policy = kvsieve.make_policy(spec)
-    by_size = policy.keep_indices(prefill.observations[0], MaxTokens(60))
-    by_rate = policy.keep_indices(prefill.observations[0], Rate((67 - 27) / 67))
+    by_size = policy.select(prefill.observations[0], MaxTokens(60))
+    by_rate = policy.select(prefill.observations[0], Rate((67 - 27) / 67))
     assert all(torch.equal(a, b) for la, lb in zip(by_size, by_rate, strict=True) for a, b in zip(la, lb, strict=True))
 
 

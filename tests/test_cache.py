@@ -20,7 +20,7 @@ from specs import SCORER_SPECS
 @pytest.mark.parametrize("rate", [0.0, 0.3, 0.8])
 def test_kept_counts_and_protection(model, ids, policy, rate):
     n_sink, window = 4, 16
-    cache = kvsieve.compress(model, ids, policy, rate, n_sink=n_sink, sliding_window=window)
+    cache = kvsieve.compress(model, ids, policy, rate, n_sink=n_sink, n_recent=window)
     n_evictable = 120 - n_sink - window
     expected = 120 - evicted_count(n_evictable, rate)
     assert cache.stored_lengths() == [[expected, expected]] * 3
@@ -50,7 +50,7 @@ def test_random_reproducible_by_seed(model, ids):
 
 
 def test_streaming_keeps_sinks_and_most_recent(model, ids):
-    cache = kvsieve.compress(model, ids, "streaming", 0.5, n_sink=1, sliding_window=8)
+    cache = kvsieve.compress(model, ids, "streaming", 0.5, n_sink=1, n_recent=8)
     kept = cache.kept_positions(0)[0]
     n_keep = len(kept)
     assert kept.tolist() == [0, *range(120 - (n_keep - 1), 120)]
@@ -61,7 +61,7 @@ def test_nbytes_matches_kept_tensors_and_shrinks(model, ids):
     head_dim, n_layers, n_kv = 16, 3, 2
     assert full.nbytes() == 2 * n_layers * n_kv * 120 * head_dim * 4
     rate = 0.75
-    cache = kvsieve.compress(model, ids, "importance", rate, n_sink=1, sliding_window=7)
+    cache = kvsieve.compress(model, ids, "importance", rate, n_sink=1, n_recent=7)
     stored = sum(
         k.numel() * k.element_size() + v.numel() * v.element_size()
         for layer in cache.layers
@@ -112,7 +112,7 @@ def test_storage_stays_within_two_percent_of_the_kept_entries(allocator):
     ids = torch.randint(0, 128, (2, 400), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[1, :37] = 0  # the second sequence is left-padded: fewer real tokens, its own budget
-    cache = kvsieve.compress(model, ids, "snapkv", 0.8, budget=allocator, attention_mask=mask)
+    cache = kvsieve.compress(model, ids, "snapkv", 0.8, allocator=allocator, attention_mask=mask)
     entry = cache.layers[0].segments.entry_bytes()
     null_entries = entry * len(cache.layers)  # one padding row per layer
     blocks = entry * BLOCK * 2 * 3 * len(cache.layers)  # at most one block of room per (row, kv-head)

@@ -22,8 +22,8 @@ from kvsieve.harness.eval.sweep import sample_key
 from kvsieve.runtime.evictions import Eviction, evictions
 from kvsieve.runtime.prefill import observe_prefill
 from kvsieve.selection.observation import Needs
-from kvsieve.selection.policy import make_policy
 from kvsieve.selection.scorers import CAOTEScorer, ImportanceScorer
+from kvsieve.selection.spec import make_policy
 from test_sweep import make_sample
 
 # ---------------------------------------------------------------- forced slots
@@ -55,7 +55,7 @@ class FixedKeep:
 
     evict: dict[int, list[int]]  # kv-head -> positions
 
-    def keep_indices(self, observations, reserved=0):
+    def kept_entries(self, observations, reserved=0):
         out = []
         for obs in observations:
             layer = []
@@ -76,10 +76,10 @@ def test_forced_eviction_keeps_each_heads_count_and_forces_the_spans(lm, tok):
     base = Eviction(policy, 0.7)
     for forcing in ("all", "partial", "evicted"):
         plan = ForcedEviction(base, spans, forcing, CAOTEScorer())
-        forced = plan.keep_indices(prefill.observations[0])
-        before = base.keep_indices(prefill.observations[0])
+        forced = plan.kept_entries(prefill.observations[0])
+        before = base.kept_entries(prefill.observations[0])
         assert [[len(h) for h in layer] for layer in forced] == [[len(h) for h in layer] for layer in before]
-    everything = ForcedEviction(base, spans, "all", CAOTEScorer()).keep_indices(prefill.observations[0])
+    everything = ForcedEviction(base, spans, "all", CAOTEScorer()).kept_entries(prefill.observations[0])
     for layer in everything:
         for head in layer:
             assert torch.isin(torch.arange(start, end), head).all()
@@ -117,8 +117,8 @@ class _Wrapped:
     policy: object
     protect_positions: torch.Tensor | None = None
 
-    def keep_indices(self, observations, reserved=0):
-        return self.plan.keep_indices(observations, reserved)
+    def kept_entries(self, observations, reserved=0):
+        return self.plan.kept_entries(observations, reserved)
 
 
 # ---------------------------------------------------------------- attribution

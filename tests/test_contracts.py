@@ -74,11 +74,11 @@ def test_switching_to_sieve_attention_is_scoped(model, ids):
 
 def test_apply_leaves_nothing_behind(model, ids):
     model.set_attn_implementation("sdpa")
-    handle = kvsieve.apply(model, kvsieve.EvictionConfig(eviction_rate=0.5))
+    handle = kvsieve.apply(model, kvsieve.EvictionConfig(rate=0.5))
     assert "generate" in model.__dict__ and model.config._attn_implementation == "sieve"
     handle.remove()
     assert "generate" not in model.__dict__ and model.config._attn_implementation == "sdpa"
-    with pytest.raises(ValueError, match="boom"), kvsieve.apply(model, kvsieve.EvictionConfig(eviction_rate=0.5)):
+    with pytest.raises(ValueError, match="boom"), kvsieve.apply(model, kvsieve.EvictionConfig(rate=0.5)):
         raise ValueError("boom")
     assert "generate" not in model.__dict__ and model.config._attn_implementation == "sdpa"
 
@@ -129,7 +129,7 @@ KVPRESS_SIDE_BY_SIDE = """
     import kvpress
     {after}
     with torch.no_grad():
-        cache = kvsieve.compress(model, ids[:, :100], "snapkv+adaptive", 0.6, sliding_window=8)
+        cache = kvsieve.compress(model, ids[:, :100], "snapkv+adaptive", 0.6, n_recent=8)
         kept = [cache.kept_positions(layer) for layer in range(3)]
         with kvsieve.sieve_attention(model):
             ours = model(ids[:, 100:], past_key_values=cache).logits
@@ -228,8 +228,8 @@ class LinearKeyScorer(torch.nn.Module):
 def test_a_scorer_may_be_a_module_with_parameters(model, ids, masked_reference):
     torch.manual_seed(0)
     scorer = LinearKeyScorer()
-    policy = Policy(scorer=scorer, sliding_window=8)
-    assert policy.name == "linear-key:sliding_window=8" and sum(p.numel() for p in scorer.parameters()) == 17
+    policy = Policy(scorer=scorer, n_recent=8)
+    assert policy.name == "linear-key:n_recent=8" and sum(p.numel() for p in scorer.parameters()) == 17
     cache = kvsieve.compress(model, ids[:, :100], policy, 0.7)
     kept = [cache.kept_positions(layer) for layer in range(3)]
     keys = kvsieve.observe_prefill(model, ids[:, :100], kvsieve.Needs()).observations[0][0].keys
@@ -246,10 +246,10 @@ def test_a_scorer_may_be_a_module_with_parameters(model, ids, masked_reference):
 @torch.no_grad()
 def test_an_evicted_cache_can_be_scored_and_evicted_again(model, ids, masked_reference, spec):
     """Observations of a ragged cache drive a second eviction, which stays exact."""
-    cache = kvsieve.compress(model, ids[:, :100], "snapkv+adaptive", 0.4, sliding_window=8)
+    cache = kvsieve.compress(model, ids[:, :100], "snapkv+adaptive", 0.4, n_recent=8)
     observations = kvsieve.observe_cache(model, cache)
     assert observations[0].valid is not None and not bool(observations[0].valid.all())
-    keep = kvsieve.make_policy(spec, sliding_window=8).keep_indices(observations, 0.5)
+    keep = kvsieve.make_policy(spec, n_recent=8).select(observations, 0.5)
     before = [cache.kept_positions(layer) for layer in range(3)]
     cache.evict([keep])
     kept = [cache.kept_positions(layer) for layer in range(3)]

@@ -40,7 +40,7 @@ def test_varlen_kernel_equals_the_reference_on_grid_and_packed_storage(dtype):
 def test_compressed_decoding_on_cuda_equals_the_masked_reference(masked_reference, dtype, atol, spec):
     model = tiny_llama(seed=3).cuda().to(dtype)
     ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(1)).cuda()
-    cache = kvsieve.compress(model, ids[:, :100], spec, 0.7, sliding_window=8)
+    cache = kvsieve.compress(model, ids[:, :100], spec, 0.7, n_recent=8)
     kept = [cache.kept_positions(layer) for layer in range(3)]
     with kvsieve.sieve_attention(model):
         steps = [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(100, 110)]

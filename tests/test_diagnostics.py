@@ -39,7 +39,7 @@ from kvsieve.harness.report.figures import (
     plot_hallucination_vs_ger,
 )
 from kvsieve.runtime.prefill import observe_prefill
-from kvsieve.selection.policy import make_policy
+from kvsieve.selection.spec import make_policy
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -151,7 +151,7 @@ def prefilled():
         attentions = eager(ids, output_attentions=True).attentions
     # little protection and a high rate, so that heads share argmax tokens and compression moves some of them
     observations = prefill.observations[0]
-    keep = make_policy("snapkv+adaptive", sliding_window=8).keep_indices(observations, 0.8)
+    keep = make_policy("snapkv+adaptive", n_recent=8).select(observations, 0.8)
     survival = survival_from_cache(prefill.cache.keep([keep]), ids.shape[1])
     return observations, attentions, survival
 

@@ -52,7 +52,7 @@ def test_rate_zero_generate_matches_plain_transformers(model, ids):
 def test_evicted_cache_equals_masked_full_cache(model, ids, masked_reference, policy, allocator):
     """The central check, every scorer x allocator: physical eviction == the full cache masking the dropped entries."""
     prefix, cont = ids[:, :90], ids[:, 90:]
-    cache = kvsieve.compress(model, prefix, policy, 0.7, budget=allocator, sliding_window=8)
+    cache = kvsieve.compress(model, prefix, policy, 0.7, allocator=allocator, n_recent=8)
     kept = [cache.kept_positions(layer) for layer in range(3)]
     assert all(len(p) < 90 for heads in kept for p in heads)
     with kvsieve.sieve_attention(model):
@@ -70,7 +70,7 @@ def test_evicted_cache_equals_masked_full_cache(model, ids, masked_reference, po
 @torch.no_grad()
 def test_every_rate_equals_masked_full_cache(model, ids, masked_reference, rate):
     prefix, cont = ids[:, :90], ids[:, 90:]
-    cache = kvsieve.compress(model, prefix, "snapkv+adaptive", rate, sliding_window=8)
+    cache = kvsieve.compress(model, prefix, "snapkv+adaptive", rate, n_recent=8)
     kept = [cache.kept_positions(layer) for layer in range(3)]
     with kvsieve.sieve_attention(model):
         ours = model(cont, past_key_values=cache).logits
@@ -82,7 +82,7 @@ def test_every_rate_equals_masked_full_cache(model, ids, masked_reference, rate)
 @torch.no_grad()
 def test_evicted_generate_equals_masked_full_cache(model, ids, masked_reference):
     prefix = ids[:, :100]
-    cache = kvsieve.compress(model, prefix, "importance", 0.7, sliding_window=8)
+    cache = kvsieve.compress(model, prefix, "importance", 0.7, n_recent=8)
     kept = [cache.kept_positions(layer) for layer in range(3)]
     with kvsieve.sieve_attention(model):
         ours = model.generate(ids, past_key_values=cache, **GEN)

@@ -11,8 +11,8 @@ import kvsieve
 from conftest import tiny_llama
 from kvsieve import PolicyError, UnhookableModelError
 from kvsieve.selection.allocators import ALLOCATORS
-from kvsieve.selection.policy import split_policies
 from kvsieve.selection.scorers import SCORERS
+from kvsieve.selection.spec import split_policies
 
 
 @pytest.mark.parametrize("rate", [-0.1, 1.0, 1.5, "0.5"])
@@ -20,14 +20,14 @@ def test_rate_outside_unit_interval(model, ids, rate):
     with pytest.raises(PolicyError, match=r"rate must be in \[0, 1\)"):
         kvsieve.compress(model, ids, "importance", rate)
     with pytest.raises(PolicyError, match=r"rate must be in \[0, 1\)"):
-        kvsieve.EvictionConfig(eviction_rate=rate)
+        kvsieve.EvictionConfig(rate=rate)
 
 
 def test_unknown_policy_lists_known_ones(model, ids):
     with pytest.raises(PolicyError, match="unknown policy 'h2o_typo'; known: importance, window, random"):
         kvsieve.compress(model, ids, "h2o_typo", 0.5)
     with pytest.raises(PolicyError, match="unknown policy"):
-        kvsieve.EvictionConfig(eviction_rate=0.5, eviction_mode="nope")
+        kvsieve.EvictionConfig(rate=0.5, policy="nope")
 
 
 def test_bad_policy_parameters():
@@ -37,22 +37,20 @@ def test_bad_policy_parameters():
         kvsieve.make_policy("window:window=abc")
     with pytest.raises(PolicyError, match="not key=value"):
         kvsieve.make_policy("random:7")
-    with pytest.raises(
-        PolicyError, match="unknown budget allocator 'pyramidal'; known: uniform, pyramid, adaptive, global"
-    ):
+    with pytest.raises(PolicyError, match="unknown allocator 'pyramidal'; known: uniform, pyramid, adaptive, global"):
         kvsieve.make_policy("knorm+pyramidal")
     with pytest.raises(PolicyError, match=r"unknown parameter 'beta' for snapkv\+adaptive; valid: .*safeguard"):
         kvsieve.make_policy("snapkv+adaptive:beta=3")
     with pytest.raises(PolicyError, match="beta must be >= 1"):
         kvsieve.make_policy("snapkv+pyramid:beta=0.5")
     with pytest.raises(PolicyError, match="safeguard must be in"):
-        kvsieve.make_policy("snapkv", budget="adaptive", safeguard=1.5)
+        kvsieve.make_policy("snapkv", allocator="adaptive", safeguard=1.5)
     with pytest.raises(PolicyError, match="unknown calibration 'rank'; valid: auto, mass, zscore, raw"):
         kvsieve.make_policy("snapkv+global:calibration=rank")
     with pytest.raises(PolicyError, match="kernel must be an odd number"):
         kvsieve.make_policy("snapkv:kernel=4")
-    with pytest.raises(PolicyError, match="names allocator 'pyramid' but budget='adaptive'"):
-        kvsieve.make_policy("snapkv+pyramid", budget="adaptive")
+    with pytest.raises(PolicyError, match="names allocator 'pyramid' but allocator='adaptive'"):
+        kvsieve.make_policy("snapkv+pyramid", allocator="adaptive")
     policy = kvsieve.make_policy("window:window=16,n_sink=4")
     assert policy.scorer.window == 16 and policy.n_sink == 4
 
@@ -67,7 +65,7 @@ def test_policy_specs_round_trip_and_split():
         policy = kvsieve.make_policy(spec)
         assert kvsieve.make_policy(policy.name) == policy
     assert kvsieve.make_policy("window:keykey=true").name == "window:keykey=true"
-    assert kvsieve.make_policy("snapkv", budget="global").name == "snapkv+global"
+    assert kvsieve.make_policy("snapkv", allocator="global").name == "snapkv+global"
     assert split_policies("snapkv+adaptive:window=16,kernel=7,random, window:keykey=1") == [
         "snapkv+adaptive:window=16,kernel=7",
         "random",
@@ -78,7 +76,7 @@ def test_policy_specs_round_trip_and_split():
 def test_scorer_and_allocator_parameters_never_collide():
     for scorer in SCORERS.values():
         scorer_fields = {f.name for f in dataclasses.fields(scorer)}
-        assert not scorer_fields & {"n_sink", "sliding_window"}
+        assert not scorer_fields & {"n_sink", "n_recent"}
         for allocator in ALLOCATORS.values():
             assert not scorer_fields & {f.name for f in dataclasses.fields(allocator)}
 
@@ -137,7 +135,7 @@ def test_bad_attention_mask(model, ids):
         kvsieve.compress(model, batch, "importance", 0.5, attention_mask=mask)
     mask[1, :100] = 1
     with pytest.raises(PolicyError, match="sequence 1 of the batch: nothing to evict"):
-        kvsieve.compress(model, batch, "importance", 0.5, attention_mask=mask, sliding_window=99)
+        kvsieve.compress(model, batch, "importance", 0.5, attention_mask=mask, n_recent=99)
     with pytest.raises(ValueError, match="question-aware compression takes unpadded sequences"):
         kvsieve.compress(model, batch, "snapkv", 0.5, attention_mask=mask, question_ids=batch[:, :5])
 
@@ -151,18 +149,18 @@ def test_windows_hold_at_least_one_query(spec):
 def test_scorer_window_must_match_observation(model, ids):
     prefill = kvsieve.observe_prefill(model, ids, kvsieve.Needs(window=32))
     with pytest.raises(ValueError, match="window=64 needs the last 64 prefill queries; 32 were recorded"):
-        kvsieve.make_policy("window:window=64").keep_indices(prefill.observations[0], 0.5)
+        kvsieve.make_policy("window:window=64").select(prefill.observations[0], 0.5)
     with pytest.raises(ValueError, match="importance needs the attention accumulated over all queries"):
-        kvsieve.make_policy("importance").keep_indices(prefill.observations[0], 0.5)
+        kvsieve.make_policy("importance").select(prefill.observations[0], 0.5)
 
 
 def test_apply_twice_is_refused():
     model = tiny_llama()
     with (
-        kvsieve.apply(model, kvsieve.EvictionConfig(0.5)),
+        kvsieve.apply(model, kvsieve.EvictionConfig(rate=0.5)),
         pytest.raises(RuntimeError, match="already applied"),
     ):
-        kvsieve.apply(model, kvsieve.EvictionConfig(0.5))
+        kvsieve.apply(model, kvsieve.EvictionConfig(rate=0.5))
 
 
 def test_missing_data_package_names_the_install_command(monkeypatch):

@@ -107,7 +107,7 @@ def test_gradients_reach_only_the_gates():
     model = tiny_llama()
     gates = _gates(model)
     ids = torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(3))
-    terms = train_step(model, gates, _tape(model, gates), ids, TrainConfig(budget=8, seq_len=SEQ))
+    terms = train_step(model, gates, _tape(model, gates), ids, TrainConfig(capacity=8, seq_len=SEQ))
     torch.autograd.backward(terms["loss"], inputs=list(gates.parameters()))
     assert all(p.grad is None for p in model.parameters())
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in gates.parameters())
@@ -118,12 +118,12 @@ def test_expected_kept_and_the_capacity_hinge():
     kept = expected_kept(log_beta)
     torch.testing.assert_close(kept, torch.tensor([[[1.0, 1.5, 1.25 + 1.0]]]))  # S_t = sum_i beta_i^(t-i)
     # hinge (S_t - M) / max(t - M, 1) at t = 0, 1, 2: 0, 0.5, 1.25; the mean of the positive terms
-    torch.testing.assert_close(capacity_loss([log_beta], budget=1, capacity="head"), torch.tensor((0.5 + 1.25) / 2))
-    assert float(capacity_loss([log_beta], budget=3, capacity="head")) == 0.0
+    torch.testing.assert_close(capacity_loss([log_beta], capacity=1, scope="head"), torch.tensor((0.5 + 1.25) / 2))
+    assert float(capacity_loss([log_beta], capacity=3, scope="head")) == 0.0
     two = [log_beta, torch.zeros(1, 1, 3)]  # a second head keeps everything: S = 1, 2, 3
     # global: S summed over both heads (2, 3.5, 5.25) against M * 2 = 2, steps scaled by 2 (0, 2, 4)
     expected = ((3.5 - 2) / 1 + (5.25 - 2) / 2) / 2
-    torch.testing.assert_close(capacity_loss(two, budget=1, capacity="global"), torch.tensor(expected))
+    torch.testing.assert_close(capacity_loss(two, capacity=1, scope="global"), torch.tensor(expected))
 
 
 def test_training_lowers_the_loss_and_resumes(tmp_path):
@@ -131,7 +131,7 @@ def test_training_lowers_the_loss_and_resumes(tmp_path):
     data = TrainingData(
         [torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(s)) for s in range(4)], {}
     )
-    config = TrainConfig(budget=8, steps=12, seq_len=SEQ, lr=5e-2, width=8, bias_init=4.0, save_every=6)
+    config = TrainConfig(capacity=8, steps=12, seq_len=SEQ, lr=5e-2, width=8, bias_init=4.0, save_every=6)
     gates, record = train_gates(model, None, config, tmp_path / "a", "tiny", data=data, show_progress=False)
     torch.manual_seed(config.seed)
     fresh = RetentionGates(gate_shape(model, 8), bias_init=4.0)
@@ -193,7 +193,7 @@ def test_trimkv_global_meets_one_budget_exactly_across_layers_and_heads(tmp_path
     torch.nn.init.normal_(gates.scoring.weight, std=1.0)  # entries decay at clearly different rates
     _checkpoint(tmp_path, model, gates)
     ids = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(2))
-    policy = kvsieve.make_policy(f"trimkv+global:gates={tmp_path}", n_sink=1, sliding_window=4)
+    policy = kvsieve.make_policy(f"trimkv+global:gates={tmp_path}", n_sink=1, n_recent=4)
     assert policy.allocator.calibration == "auto"
     cache = kvsieve.compress(model, ids, policy, rate=0.75)
     evictable = 100 - 1 - 4
@@ -216,7 +216,7 @@ def test_trimkv_bounded_generation_on_a_hybrid_model():
     assert gate_shape(model).layers == (1, 3)
     ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(2))
     spec = "trimkv+global:gates=untrained"
-    config = kvsieve.EvictionConfig(eviction_mode=spec, max_tokens=24, buffer=8, sliding_window=4)
+    config = kvsieve.EvictionConfig(policy=spec, max_tokens=24, buffer=8, n_recent=4)
     with kvsieve.apply(model, config) as handle:
         model.generate(ids, max_new_tokens=60, do_sample=False, pad_token_id=0)
     full = handle.last_cache.full_layers
@@ -231,10 +231,10 @@ def test_train_gates_command_writes_a_checkpoint_the_scorer_loads(model_dir, tmp
 
     out = tmp_path / "gates"
     args = ["train-gates", "--model", str(model_dir), "--out", str(out), "--steps", "2", "--seq-len", "256"]
-    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--budget", "16", "--per-task", "0"])
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--capacity", "16", "--per-task", "0"])
     assert result.exit_code == 0, result.output
     _, record = read_gates(out)
-    assert record.steps == 2 and record.budget == 16 and record.model_name == str(model_dir)
+    assert record.steps == 2 and record.capacity == 16 and record.model_name == str(model_dir)
     assert set(record.data["heldout_essays"]).isdisjoint(record.data["train_essays"])
     assert record.data["task_seed"] > 1000, "training tasks never share a seed with evaluation"
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()  # loaded again: the same weights hash
@@ -244,7 +244,7 @@ def test_train_gates_command_writes_a_checkpoint_the_scorer_loads(model_dir, tmp
     prefill = kvsieve.observe_prefill(model, ids, trained.needs | untrained.needs)  # two sets of gates, one prefill
     first = prefill.observations[0][0]
     assert not torch.equal(trained.scorer.score(first), untrained.scorer.score(first))
-    bad = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--capacity", "layer"])
-    assert bad.exit_code == 2 and "capacity must be one of" in bad.output
-    short = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--budget", "16", "--per-task", "1"])
+    bad = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--scope", "layer"])
+    assert bad.exit_code == 2 and "scope must be one of" in bad.output
+    short = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--capacity", "16", "--per-task", "1"])
     assert short.exit_code == 2 and "too small" in short.output, "task prompts that do not fit: a clean error"

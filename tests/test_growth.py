@@ -57,7 +57,7 @@ def test_every_step_stays_within_budget_and_equals_the_masked_reference(model, i
 @torch.no_grad()
 def test_apply_keeps_generate_bounded_for_greedy_and_sampling(model):
     prompt = torch.randint(0, 128, (2, 50), generator=torch.Generator().manual_seed(4))
-    config = kvsieve.EvictionConfig(eviction_mode="knorm+global", max_tokens=MAX_TOKENS, buffer=BUFFER)
+    config = kvsieve.EvictionConfig(policy="knorm+global", max_tokens=MAX_TOKENS, buffer=BUFFER)
     with kvsieve.apply(model, config) as handle:
         greedy = model.generate(prompt, max_new_tokens=120, min_new_tokens=120, do_sample=False, pad_token_id=0)
         assert greedy.shape == (2, 170)
@@ -116,7 +116,7 @@ def test_bad_bounded_configurations_name_the_problem(model, ids):
     with pytest.raises(kvsieve.PolicyError, match="buffer must be an integer >= 1, got 0"):
         kvsieve.compress(model, ids[:, :PROMPT], "knorm", max_tokens=40, buffer=0)
     with pytest.raises(kvsieve.PolicyError, match="buffer must be an integer >= 1, got -1"):
-        kvsieve.EvictionConfig(eviction_mode="h2o", max_tokens=1024, buffer=-1)
+        kvsieve.EvictionConfig(policy="h2o", max_tokens=1024, buffer=-1)
     mask = torch.ones_like(ids[:, :PROMPT])
     mask[:, :3] = 0
     with pytest.raises(kvsieve.PolicyError, match="protect_positions with a buffer take unpadded prompts"):
@@ -130,7 +130,7 @@ def test_bad_bounded_configurations_name_the_problem(model, ids):
             protect_positions=torch.tensor([5]),
         )
     with pytest.raises(kvsieve.PolicyError, match="give one budget, not rate and max_tokens"):
-        kvsieve.EvictionConfig(eviction_rate=0.5, max_tokens=1024)
+        kvsieve.EvictionConfig(rate=0.5, max_tokens=1024)
 
 
 @pytest.mark.parametrize("spec", ["snapkv", "knorm+global"])
@@ -256,7 +256,7 @@ def test_apply_is_question_aware_and_keeps_the_question_while_bounded(model):
     context = torch.randint(1, 128, (1, 80), generator=torch.Generator().manual_seed(14))
     question = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(15))  # 0 is the pad token
     gen = {"max_new_tokens": 60, "min_new_tokens": 60, "do_sample": False, "pad_token_id": 0}
-    config = kvsieve.EvictionConfig(eviction_mode="snapkv", max_tokens=100, buffer=BUFFER)
+    config = kvsieve.EvictionConfig(policy="snapkv", max_tokens=100, buffer=BUFFER)
     with kvsieve.apply(model, config) as handle:
         out = model.generate(context, question_ids=question, **gen)
         held = handle.last_cache

@@ -57,7 +57,7 @@ def test_default_model_h2o_generation_stays_bounded_and_starts_as_the_full_cache
     gen |= {"output_scores": True, "return_dict_in_generate": True}
     model.set_attn_implementation("sdpa")
     plain = model.generate(ids, **gen)
-    config = kvsieve.EvictionConfig(eviction_mode="h2o", max_tokens=256, buffer=32)
+    config = kvsieve.EvictionConfig(policy="h2o", max_tokens=256, buffer=32)
     with kvsieve.apply(model, config) as handle:
         bounded = model.generate(ids, **gen)
         cache = handle.last_cache

@@ -75,7 +75,7 @@ def test_varlen_kernel_reads_padded_storage_in_place(monkeypatch):
     from kvsieve.runtime import kernels
     from kvsieve.runtime.segments import Segments
 
-    monkeypatch.setattr(kernels, "_varlen_attn", _documented_varlen)
+    monkeypatch.setattr(kernels, "_varlen_kernel", lambda: _documented_varlen)
     gen = torch.Generator().manual_seed(0)
     dense = torch.randn(2, 3, 50, 8, generator=gen)
     segments = Segments.from_dense(dense, dense + 1, torch.arange(50))

@@ -7,8 +7,8 @@ import torch
 
 import kvsieve
 import test_growth
-from kvsieve.selection.policy import protected_mask
-from kvsieve.selection.projection import PROJECTIONS, Chunks, Sentences, TopK, fit_spans, span_ids, span_keep_indices
+from kvsieve.selection.projection import PROJECTIONS, Chunks, Sentences, TopK, fit_spans, pick_spans, span_ids
+from kvsieve.selection.protection import protected_mask
 from kvsieve.selection.spans import ends_sentence, sentence_spans
 from tokenizer import tiny_tokenizer
 
@@ -42,13 +42,13 @@ def test_spans_keep_each_heads_count_whole_but_one(model, ids, allocator, projec
     """Same counts as topk per (layer, kv-head); protected entries kept; at most one span per head cut."""
     prefill = kvsieve.observe_prefill(model, ids, kvsieve.Needs(window=32))
     observations, spans = prefill.observations[0], _sentences(ids.shape[1])
-    topk = kvsieve.make_policy(f"snapkv+{allocator}:sliding_window=8")
-    policy = kvsieve.make_policy(f"snapkv+{allocator}:sliding_window=8,projection={projection}")
-    expected = topk.keep_indices(observations, rate)
-    got = policy.keep_indices(observations, rate, spans=spans)
+    topk = kvsieve.make_policy(f"snapkv+{allocator}:n_recent=8")
+    policy = kvsieve.make_policy(f"snapkv+{allocator}:n_recent=8,projection={projection}")
+    expected = topk.select(observations, rate)
+    got = policy.select(observations, rate, spans=spans)
     assert [[len(k) for k in layer] for layer in got] == [[len(k) for k in layer] for layer in expected]
     for obs, layer in zip(observations, got, strict=True):
-        protected = protected_mask(obs, policy.n_sink, policy.sliding_window)
+        protected = protected_mask(obs, policy.n_sink, policy.n_recent)
         evictable = obs.valid_mask & ~protected
         entry_spans = _entry_spans(projection, obs, spans)
         for h, kept in enumerate(layer):
@@ -70,11 +70,11 @@ def test_spans_on_an_evicted_ragged_cache(model, ids, spec, topk_spec):
     assert len({n for layer in cache.stored_lengths() for n in layer}) > 1, "the heads are ragged"
     policy = kvsieve.make_policy(spec)
     topk = kvsieve.make_policy(topk_spec)
-    got = policy.keep_indices(observations, 0.6, spans=spans)
-    expected = topk.keep_indices(observations, 0.6)
+    got = policy.select(observations, 0.6, spans=spans)
+    expected = topk.select(observations, 0.6)
     assert [[len(k) for k in layer] for layer in got] == [[len(k) for k in layer] for layer in expected]
     for obs, layer in zip(observations, got, strict=True):
-        evictable = obs.valid_mask & ~protected_mask(obs, policy.n_sink, policy.sliding_window)
+        evictable = obs.valid_mask & ~protected_mask(obs, policy.n_sink, policy.n_recent)
         entry_spans = obs.positions // 5 if "chunk" in spec else span_ids(obs.positions, spans)
         for h, kept in enumerate(layer):
             assert bool(obs.valid_mask[h, kept].all())
@@ -86,7 +86,7 @@ def _one_head(scores: list[float], spans: list[int], count: int, protected: list
     n = len(scores)
     protect = torch.zeros(1, n, dtype=torch.bool)
     protect[0, list(protected)] = True
-    kept = span_keep_indices(torch.tensor([scores]), protect, ~protect, [count], torch.tensor([spans]))
+    kept = pick_spans(torch.tensor([scores]), protect, ~protect, [count], torch.tensor([spans]))
     return kept[0].tolist()
 
 
@@ -182,7 +182,7 @@ def test_bounded_growth_keeps_sentences_given_at_compress_time(model):
     """Every eviction during decoding cuts at most one sentence per head (no protection, so spans are all of it)."""
     ids = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(2))
     spans = _sentences(60, seed=1)
-    spec = "knorm:projection=sentence,n_sink=0,sliding_window=0"
+    spec = "knorm:projection=sentence,n_sink=0,n_recent=0"
     cache = kvsieve.compress(model, ids[:, :60], spec, max_tokens=30, buffer=8, spans=spans)
     evictions = 0
     for t in range(60, 100):
@@ -227,9 +227,9 @@ def test_policy_names_round_trip():
     assert (
         kvsieve.make_policy("snapkv", projection="chunk", chunk_size=4).name == "snapkv:projection=chunk,chunk_size=4"
     )
-    assert isinstance(kvsieve.make_policy("snapkv").projector, TopK)
-    assert kvsieve.make_policy("snapkv:projection=chunk,chunk_size=3").projector == Chunks(3)
-    assert isinstance(kvsieve.make_policy("snapkv:projection=sentence").projector, Sentences)
+    assert isinstance(kvsieve.make_policy("snapkv").projection, TopK)
+    assert kvsieve.make_policy("snapkv:projection=chunk,chunk_size=3").projection == Chunks(3)
+    assert isinstance(kvsieve.make_policy("snapkv:projection=sentence").projection, Sentences)
     assert list(PROJECTIONS) == ["topk", "chunk", "sentence"]
 
 
@@ -246,15 +246,15 @@ def test_projection_errors(model, ids):
     sentence = "snapkv:projection=sentence"
     prefill = kvsieve.observe_prefill(model, ids)
     with pytest.raises(kvsieve.PolicyError, match="none were given: pass spans"):
-        kvsieve.make_policy(sentence).keep_indices(prefill.observations[0], 0.5)
+        kvsieve.make_policy(sentence).select(prefill.observations[0], 0.5)
     with pytest.raises(kvsieve.PolicyError, match="none were given: pass spans"):
         kvsieve.compress(model, ids, sentence, 0.5)
     with pytest.raises(kvsieve.PolicyError, match="none were given: pass spans"):
         kvsieve.bounded_cache(model, sentence, max_tokens=40)
     with pytest.raises(kvsieve.PolicyError, match="generate\\(\\) cannot take"):
-        kvsieve.EvictionConfig(eviction_rate=0.5, eviction_mode=sentence)
+        kvsieve.EvictionConfig(rate=0.5, policy=sentence)
     with pytest.raises(kvsieve.PolicyError, match="1-D integer tensor"):
-        kvsieve.make_policy(sentence).keep_indices(prefill.observations[0], 0.5, spans=torch.zeros(120))
+        kvsieve.make_policy(sentence).select(prefill.observations[0], 0.5, spans=torch.zeros(120))
     with pytest.raises(kvsieve.PolicyError, match="spans must have shape"):
         kvsieve.compress(model, ids, sentence, 0.5, spans=torch.zeros(2, 120, dtype=torch.long))
     mask = torch.ones(2, 60, dtype=torch.long)

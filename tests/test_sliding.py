@@ -75,7 +75,7 @@ def test_evicted_full_layers_equal_the_masked_reference(masked_reference, spec, 
     """Full layers evicted by the policy, sliding layers on their window: decoding equals a float64 full cache that
     masks what the full layers dropped and keeps the sliding mask on the sliding layers."""
     model, ids = tiny_gemma3(), _ids(2)
-    cache = kvsieve.compress(model, ids[:, :PROMPT], spec, sliding_window=4, **budget)
+    cache = kvsieve.compress(model, ids[:, :PROMPT], spec, n_recent=4, **budget)
     assert cache.full_layers == FULL
     kept = _full_kept(cache)
     assert sum(len(p) for heads in kept.values() for p in heads) < PROMPT * 4
@@ -100,7 +100,7 @@ def test_bounded_generation_holds_the_budget_and_the_windows(masked_reference, s
     equals the masked reference of what was kept before it."""
     model, ids = tiny_gemma3(), _ids(3, PROMPT + 80)
     budget, buffer = 24, 8
-    cache = kvsieve.compress(model, ids[:, :PROMPT], spec, max_tokens=budget, buffer=buffer, sliding_window=4)
+    cache = kvsieve.compress(model, ids[:, :PROMPT], spec, max_tokens=budget, buffer=buffer, n_recent=4)
     reference = masked_reference(model, ids[:, :PROMPT], _full_kept(cache))
     evictions = 0
     for t in range(PROMPT, ids.shape[1]):
@@ -130,16 +130,13 @@ def test_bytes_count_every_layer_and_a_byte_budget_reserves_the_windows():
         assert sum(sum(cache.stored_lengths(0)[layer]) for layer in (0, 2)) * entry == cache.window_nbytes()
     window = 2 * 2 * (WINDOW - 1) * entry  # two sliding layers x two kv-heads at their window, per sequence
     for max_bytes in (window + 4 * 30 * entry, window + 4 * 30 * entry + entry - 1):
-        cache = kvsieve.compress(model, ids, "snapkv+adaptive", max_bytes=max_bytes, sliding_window=4)
+        cache = kvsieve.compress(model, ids, "snapkv+adaptive", max_bytes=max_bytes, n_recent=4)
         assert [cache.row_nbytes(row) for row in range(2)] == [window + 4 * 30 * entry] * 2
         assert cache.mean_stored() == 30
     smallest = window + 4 * entry
-    assert (
-        kvsieve.compress(model, ids[:, :40], "snapkv", max_bytes=smallest, sliding_window=0, n_sink=0).mean_stored()
-        == 1
-    )
+    assert kvsieve.compress(model, ids[:, :40], "snapkv", max_bytes=smallest, n_recent=0, n_sink=0).mean_stored() == 1
     with pytest.raises(kvsieve.PolicyError, match=rf"max_bytes={smallest - 1} does not fit the sliding-window .*"):
-        kvsieve.compress(model, ids, "snapkv", max_bytes=smallest - 1, sliding_window=0, n_sink=0)
+        kvsieve.compress(model, ids, "snapkv", max_bytes=smallest - 1, n_recent=0, n_sink=0)
     with pytest.raises(kvsieve.PolicyError, match=rf"\({window} bytes per sequence.*{smallest} bytes at least"):
         kvsieve.compress(model, ids, "snapkv", max_bytes=window // 2)
 
@@ -149,7 +146,7 @@ def test_bounded_generation_under_a_byte_budget_stays_within_it():
     model, ids = tiny_gemma3(), _ids(5, PROMPT + 60)
     entry, window = 2 * 16 * 4, 2 * 2 * (WINDOW - 1) * 2 * 16 * 4
     max_bytes, buffer = window + 4 * 24 * entry, 8
-    cache = kvsieve.compress(model, ids[:, :PROMPT], "tova", max_bytes=max_bytes, buffer=buffer, sliding_window=4)
+    cache = kvsieve.compress(model, ids[:, :PROMPT], "tova", max_bytes=max_bytes, buffer=buffer, n_recent=4)
     with kvsieve.sieve_attention(model):
         for t in range(PROMPT, ids.shape[1]):
             model(ids[:, t : t + 1], past_key_values=cache)
@@ -166,13 +163,13 @@ def test_a_padded_batch_equals_each_prompt_alone():
     mask[1, :30] = 0  # 10 real prompt tokens: row 1's sliding layers hold 5 pads and 10 tokens
     gen = {"max_new_tokens": 5, "min_new_tokens": 5, "do_sample": False}
     batch = kvsieve.compress(
-        model, ids[:, :PROMPT], "snapkv:window=8", 0.6, attention_mask=mask[:, :PROMPT], sliding_window=4
+        model, ids[:, :PROMPT], "snapkv:window=8", 0.6, attention_mask=mask[:, :PROMPT], n_recent=4
     )
     assert batch.stored_lengths(1)[0] == [WINDOW - 1] * 2 and batch.stored_lengths(1)[1] == [7, 7]
     with kvsieve.sieve_attention(model):
         out = model.generate(ids, attention_mask=mask, past_key_values=batch, **gen)
     for row, start in ((0, 0), (1, 30)):
-        alone = kvsieve.compress(model, ids[row : row + 1, start:PROMPT], "snapkv:window=8", 0.6, sliding_window=4)
+        alone = kvsieve.compress(model, ids[row : row + 1, start:PROMPT], "snapkv:window=8", 0.6, n_recent=4)
         with kvsieve.sieve_attention(model):
             single = model.generate(ids[row : row + 1, start:], past_key_values=alone, **gen)
         assert torch.equal(out[row, start:], single[0])
@@ -239,7 +236,7 @@ def test_a_cache_not_built_for_the_model_is_refused_once_evicted():
 @torch.no_grad()
 def test_a_bounded_cache_built_empty_holds_its_budget_on_a_stream():
     model, ids = tiny_gemma3(), _ids(10, 160)
-    cache = kvsieve.bounded_cache(model, "knorm", max_tokens=24, buffer=8, sliding_window=4)
+    cache = kvsieve.bounded_cache(model, "knorm", max_tokens=24, buffer=8, n_recent=4)
     assert [type(layer).__name__ for layer in cache.layers] == ["SlidingLayer", "SievedLayer"] * 2
     with kvsieve.sieve_attention(model):
         for start in range(0, 160, 8):

@@ -72,7 +72,7 @@ def test_pooled_and_bucketed_ppl_equal_a_direct_computation():
     assert "| snapkv | 3 |" in table and "+64.9% [" in table and "0-4k" not in table
 
 
-@pytest.mark.parametrize("policy", ["snapkv:sliding_window=8", "h2o:sliding_window=8", "streaming:sliding_window=8"])
+@pytest.mark.parametrize("policy", ["snapkv:n_recent=8", "h2o:n_recent=8", "streaming:n_recent=8"])
 @torch.no_grad()
 def test_chunks_of_the_buffer_equal_token_by_token(model, policy):
     """Forwards of `buffer` tokens evict where 1-token steps do: the same logits at every position."""
@@ -149,7 +149,7 @@ def test_kvpress_stream_compresses_and_its_first_chunk_is_the_plain_model(model)
 def test_kvpress_stream_equals_kvsieve_with_its_protection(model, policy, press):
     """kvpress protects nothing (knorm) or the last token (tova); kvsieve set alike keeps the same entries."""
     ids = _ids(2, 128)
-    protection = "n_sink=0,sliding_window=0" if press == "knorm" else "n_sink=0,sliding_window=1"
+    protection = "n_sink=0,n_recent=0" if press == "knorm" else "n_sink=0,n_recent=1"
     ours = sieved_trace(model, ids, f"{policy}:{protection}", 32, 16)
     theirs = press_trace(model, ids, press, 32, 16)
     np.testing.assert_allclose(ours.nll, theirs.nll, atol=1e-3, rtol=0)  # NaN at position 0 in both

@@ -14,8 +14,9 @@ from kvsieve.harness.data.sample import TaskSample, encode
 from kvsieve.harness.eval.answers import gold_statistics, is_abstention, judge, string_match
 from kvsieve.harness.eval.contenders import parse_contenders
 from kvsieve.harness.eval.respond import respond
-from kvsieve.harness.eval.sweep import read_rows, run_sweep, sample_key, split_prompt
-from kvsieve.selection.policy import PolicyError
+from kvsieve.harness.eval.results_log import read_rows
+from kvsieve.harness.eval.sweep import run_sweep, sample_key, split_prompt
+from kvsieve.selection.errors import PolicyError
 
 FILLER = "The grass is green. The sky is blue. Here we go. There and back again. "
 

@@ -111,7 +111,7 @@ def test_diagnose_writes_the_page_and_report_renders_it(model_dir, tmp_path):
     ("args", "message"),
     [
         (["--scalars", "nonsense"], "unknown policy 'nonsense'"),
-        (["--contract", "sideways"], "unknown budget allocator"),
+        (["--contract", "sideways"], "unknown allocator"),
     ],
 )
 def test_diagnose_bad_input(args, message, tmp_path):

@@ -10,19 +10,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .runtime.apply import EvictionConfig, SieveHandle, apply
+from .runtime.apply import SieveHandle, apply
 from .runtime.attention import UnsupportedAttentionError, sieve_attention
 from .runtime.cache import RaggedAttentionError, SievedCache
 from .runtime.cache_observations import observe_cache
 from .runtime.compress import bounded_cache, compress
+from .runtime.config import EvictionConfig
 from .runtime.evictions import Eviction, evictions
 from .runtime.generation import generate
 from .runtime.prefill import Prefill, observe_prefill
 from .selection.budget import MaxBytes, MaxTokens, Rate
 from .selection.errors import PolicyError, UnhookableModelError
 from .selection.observation import Needs, Observation
-from .selection.policy import Policy, known_policies, make_policy
+from .selection.policy import Policy
 from .selection.spans import sentence_spans
+from .selection.spec import known_policies, make_policy
 
 if TYPE_CHECKING:
     from .harness.models import ModelNotFoundError, load_model

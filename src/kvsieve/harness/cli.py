@@ -5,15 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import torch
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from ..runtime.attention import sieve_attention
@@ -22,8 +19,10 @@ from ..runtime.growth import DEFAULT_BUFFER
 from ..runtime.prefill import observe_prefill
 from ..selection.allocators import ALLOCATORS
 from ..selection.budget import check_count, check_rate
-from ..selection.policy import make_policy, split_policies
+from ..selection.projection import PROJECTIONS
+from ..selection.protection import PROTECTION_DEFAULTS
 from ..selection.scorers import SCORERS
+from ..selection.spec import make_policy, split_policies
 from .data import essay_texts, sample_documents
 from .data.sample import TaskSample
 from .data.suites import resolve_tasks, task_samples
@@ -41,7 +40,6 @@ from .eval.contract_diagnostic import (
 )
 from .eval.diagnostic_tables import worked_case
 from .eval.methods import CacheMethod, KvsievePolicy
-from .eval.perplexity import Progress as ProgressCallback
 from .eval.streaming import (
     BUCKET,
     DOC_TOKENS,
@@ -53,18 +51,18 @@ from .eval.streaming import (
 )
 from .eval.sweep import check_modes, run_sweep, sample_key, sample_survival
 from .models import DEFAULT_MODEL, load_model
+from .progress import console, progress_bar
 from .report import markdown_table, plot_ppl, plot_stream_ppl, ppl_markdown, ppl_table, stream_table
 from .report.diagnostic_page import DIAGNOSTIC_FILE, DIAGNOSTIC_MANIFEST, WORKED_MAP, write_diagnostic_page
 from .report.figures import plot_eviction_map
 from .report.html import MANIFEST_FILE, RESULTS_FILE, accuracy_pivot, write_report
 from .training.data import training_data
-from .training.losses import CAPACITIES
+from .training.losses import SCOPES
 from .training.train import TrainConfig, train_gates
 
 MODEL_HELP = "gemma3-270m (after `make gemma`), an HF id, a model dir or a .gguf (default: SmolLM2-135M)"
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
-console = Console()
 
 
 def _split(text: str, cast: type) -> list:
@@ -80,21 +78,6 @@ def _parsed(hint: str, parse: Callable[[], Any]) -> Any:
         return parse()
     except ValueError as err:
         raise typer.BadParameter(str(err), param_hint=hint) from None
-
-
-@contextmanager
-def progress_bar(description: str) -> Iterator[ProgressCallback]:
-    """A rich progress bar with an ETA, driven by `(done, total)` callbacks."""
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task(description, total=None)
-        yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 def ppl_experiment(
@@ -221,14 +204,16 @@ def ppl(
 
 @app.command()
 def policies() -> None:
-    """List the scorers, the budget allocators and their parameters."""
+    """List the scorers, the allocators and their parameters."""
     for title, registry in (("scorers", SCORERS), ("allocators (scorer+allocator)", ALLOCATORS)):
         console.rule(title)
         for name, cls in registry.items():
             params = ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(cls))
             doc = (cls.__doc__ or "").strip().splitlines()[0]
             console.print(f"[bold]{name}[/bold]({params})  {doc}")
-    console.print("every policy also takes n_sink=1, sliding_window=32 (protected entries)")
+    protection = ", ".join(f"{key}={value}" for key, value in PROTECTION_DEFAULTS.items())
+    projections = ", ".join(PROJECTIONS)
+    console.print(f"every policy also takes {protection} (protected entries) and projection= ({projections})")
     console.print("spec: scorer[+allocator][:key=value,...], e.g. snapkv+adaptive:window=16,safeguard=0.3")
 
 
@@ -379,7 +364,7 @@ def sweep(
     items = task_samples(task_names, tokenizer, length=length, n=samples, seed=seed, chat=chat)
     out.mkdir(parents=True, exist_ok=True)
     manifest = {
-        "model": model or "smollm2-135m",
+        "model": model or DEFAULT_MODEL,
         "tasks": task_names,
         "policies": [c.name for c in contenders],
         "rates": rate_list,
@@ -455,7 +440,7 @@ def diagnose(
     scalar_list = scalar_list if scalars else default_scalars(lm)
     items = task_samples(task_names, tokenizer, length=length, n=samples, seed=seed)
     out.mkdir(parents=True, exist_ok=True)
-    settings = {"model": model or "smollm2-135m", "tasks": task_names, "scalars": scalar_list, "rates": rate_list}
+    settings = {"model": model or DEFAULT_MODEL, "tasks": task_names, "scalars": scalar_list, "rates": rate_list}
     settings |= {"modes": mode_list, "contract": contract, "samples": samples, "length": length, "seed": seed}
     (out / DIAGNOSTIC_MANIFEST).write_text(json.dumps(settings, indent=2))
     with progress_bar("diagnose: one prefill per case, every contract evicts from it") as progress:
@@ -502,30 +487,57 @@ def eviction_map(
     console.print(f"wrote {path}")
 
 
-if __name__ == "__main__":
-    app()
+def _deprecated_option(old: str, new: str) -> None:
+    typer.echo(f"warning: {old} is deprecated and will be removed in the next release; use {new}", err=True)
+
+
+def _capacity_and_scope(capacity: str | None, scope: str | None, budget: int | None) -> tuple[int, str]:
+    """`--capacity M` and `--scope`, with kvsieve 0.1's `--budget M` and `--capacity global|head` mapped onto them."""
+    if capacity in SCOPES:
+        _deprecated_option(f"--capacity {capacity} (the scope)", f"--scope {capacity}")
+        capacity, scope = None, scope or capacity
+    if budget is not None:
+        _deprecated_option("--budget", "--capacity")
+        if capacity is not None:
+            raise typer.BadParameter("give --capacity only (--budget is its deprecated name)", param_hint="--budget")
+        capacity = str(budget)
+    try:
+        entries = TrainConfig.capacity if capacity is None else int(capacity)
+    except ValueError:
+        raise typer.BadParameter(f"{capacity!r} is not a number of entries", param_hint="--capacity") from None
+    return entries, scope or TrainConfig.scope
 
 
 @app.command(name="train-gates")
 def train_gates_command(
     out: Annotated[Path, typer.Option(help="checkpoint folder (a rerun with the same settings resumes there)")],
     model: Annotated[str, typer.Option(help=MODEL_HELP)] = DEFAULT_MODEL,
-    budget: Annotated[int, typer.Option(min=1, help="M: entries per (layer, kv-head)")] = TrainConfig.budget,
+    capacity: Annotated[
+        str | None, typer.Option(help=f"M: entries per (layer, kv-head) [default: {TrainConfig.capacity}]")
+    ] = None,
+    scope: Annotated[
+        str | None, typer.Option(help=f"where M applies: {', '.join(SCOPES)} [default: {TrainConfig.scope}]")
+    ] = None,
     steps: Annotated[int, typer.Option(min=1, help="optimiser steps, one sequence each")] = TrainConfig.steps,
     seq_len: Annotated[int, typer.Option(min=2, help="tokens per sequence")] = TrainConfig.seq_len,
     lam: Annotated[float, typer.Option(min=0.0, help="weight of the capacity hinge")] = TrainConfig.lam,
-    capacity: Annotated[str, typer.Option(help=f"one of {', '.join(CAPACITIES)}")] = TrainConfig.capacity,
     ntp: Annotated[bool, typer.Option(help="average the next-token loss into the KL")] = TrainConfig.ntp,
     lr: Annotated[float, typer.Option(min=0.0)] = TrainConfig.lr,
     width: Annotated[int, typer.Option(min=1, help="hidden units per (layer, kv-head)")] = TrainConfig.width,
     per_task: Annotated[int, typer.Option(min=0, help="training samples per task")] = TrainConfig.per_task,
     seed: Annotated[int, typer.Option()] = TrainConfig.seed,
+    budget: Annotated[int | None, typer.Option(hidden=True, help="deprecated: --capacity")] = None,
 ) -> None:
     """Train retention gates (TrimKV / DBTrimKV) for a model on this machine; the model itself is not changed."""
-    settings = {"budget": budget, "steps": steps, "seq_len": seq_len, "lam": lam, "capacity": capacity, "ntp": ntp}
+    entries, where = _capacity_and_scope(capacity, scope, budget)
+    settings = {"capacity": entries, "scope": where, "steps": steps, "seq_len": seq_len, "lam": lam, "ntp": ntp}
     config = _parsed("train-gates", lambda: TrainConfig(**settings, lr=lr, width=width, per_task=per_task, seed=seed))
     name = DEFAULT_MODEL if model == "default" else model
     lm, tokenizer = load_model(name)
     data = _parsed("--seq-len", lambda: training_data(tokenizer, config.seq_len, config.per_task, config.seed))
     gates, record = train_gates(lm, tokenizer, config, out, name, data=data)
     console.print(f"trained {len(gates.shape.layers)} layers of gates in {record.seconds:.0f} s; wrote {out}")
+
+
+if __name__ == "__main__":
+    app()

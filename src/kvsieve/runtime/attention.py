@@ -15,17 +15,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from ..selection.architecture import layer_windows
 from ..selection.errors import UnhookableModelError
+from .inputs import check_model
 from .kernels import masked_sdpa, observed_attention, tallied_attention, varlen_attention, varlen_available
 from .layout import RaggedLayout, layout_of, sieve_scope
 from .segments import PAD_POSITION
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ATTENTION_NAME = "sieve"
 
@@ -109,6 +112,10 @@ def sieve_attention_forward(
 
 def register_sieve_attention() -> None:
     """Register ``"sieve"`` in `transformers`' attention and mask interfaces (idempotent)."""
+    # imported at the first switch, not with kvsieve: these modules cost most of a second to import
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
     AttentionInterface.register(ATTENTION_NAME, sieve_attention_forward)
     # Masks are built as for SDPA: over the logical sequence, which sieve attention reads per entry.
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
@@ -135,8 +142,7 @@ def sieve_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     `transformers` attention interface or that use layers sieve attention cannot serve
     (`kvsieve.sliding.layer_windows`: full-attention and sliding-window layers are served).
     """
-    if not isinstance(model, PreTrainedModel):
-        raise UnhookableModelError(f"{type(model).__name__} is not a transformers PreTrainedModel")
+    check_model(model)
     layer_windows(model)
     if model.config._attn_implementation != ATTENTION_NAME and not model._can_set_attn_implementation():
         raise UnhookableModelError(

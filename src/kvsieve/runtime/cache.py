@@ -18,16 +18,18 @@ that says so instead of computing a wrong answer.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..selection.architecture import layer_windows
 from .layout import QueryLog, RaggedLayout, Recorder, in_sieve_scope, publish
 from .segments import Segments
 from .sliding import SlidingLayer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 #: `keep[row][layer][kv_head]`: indices of the stored entries to keep, per full-attention layer (in order).
 KeepIndices = Sequence[Sequence[Sequence[torch.Tensor]]]

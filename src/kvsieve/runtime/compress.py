@@ -8,16 +8,19 @@ from collections.abc import Sequence
 import torch
 
 from ..selection.architecture import layer_windows
-from ..selection.budget import Budget, Rate, check_count, make_budget
+from ..selection.budget import Budget, Rate, SizeBudget, check_count, make_budget
 from ..selection.errors import PolicyError
-from ..selection.policy import Policy, make_policy
+from ..selection.policy import Policy
 from ..selection.projection import MISSING_SPANS
 from ..selection.protection import question_protection
+from ..selection.spec import make_policy
 from .attention import sieve_attention
 from .cache import SievedCache
 from .growth import DEFAULT_BUFFER, BoundedGrowth
 from .inputs import check_input_ids
 from .prefill import Prefill, observe_prefill
+
+BUFFER_NEEDS_SIZE = "buffer and chunk bound a size budget (max_tokens or max_bytes); a rate has no size"
 
 
 def _with_question(
@@ -25,7 +28,7 @@ def _with_question(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     question_ids: torch.Tensor,
-    sliding_window: int,
+    n_recent: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The context followed by the question, and the positions to protect."""
     check_input_ids(model, question_ids, "question_ids")
@@ -33,7 +36,7 @@ def _with_question(
         raise ValueError(f"question_ids has {question_ids.shape[0]} rows, input_ids {input_ids.shape[0]}")
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         raise ValueError("question-aware compression takes unpadded sequences; compress padded rows one at a time")
-    protected = question_protection(input_ids.shape[-1], question_ids.shape[-1], sliding_window)
+    protected = question_protection(input_ids.shape[-1], question_ids.shape[-1], n_recent)
     return torch.cat([input_ids, question_ids.to(input_ids.device)], dim=-1), protected.to(input_ids.device)
 
 
@@ -48,7 +51,7 @@ def compress(
     buffer: int | None = None,
     chunk: int | None = None,
     attention_mask: torch.Tensor | None = None,
-    budget: str | None = None,
+    allocator: str | None = None,
     question_ids: torch.Tensor | None = None,
     protect_positions: torch.Tensor | None = None,
     spans: torch.Tensor | None = None,
@@ -60,8 +63,8 @@ def compress(
     (default 0.5); `max_tokens`, the entries each sequence keeps per (layer, kv-head) on average,
     protected ones included; `max_bytes`, the bytes of keys and values each sequence keeps. With
     `buffer`, a size budget also holds while the cache grows: decoding evicts back to it whenever
-    `buffer` more tokens per (layer, kv-head) have come in (`kvsieve.growth`). With `chunk`, the
-    prompt itself is prefilled `chunk` tokens at a time and evicted back to the size budget
+    `buffer` more tokens per (layer, kv-head) have come in (`kvsieve.runtime.growth`). With `chunk`,
+    the prompt itself is prefilled `chunk` tokens at a time and evicted back to the size budget
     before each next chunk and after the last, so it never holds more than budget + chunk.
 
     The prefill runs on sieve attention (exact; the model's own attention comes back afterwards).
@@ -73,7 +76,7 @@ def compress(
     eviction. Question-aware (`question_ids` given): context and question are prefilled together,
     so the question's queries feed the statistics (they are the last queries, the window scorers
     read); the question's entries are protected and stay in the cache, and so does the context's
-    recent window, so both modes evict the same number of context entries. Continue with
+    recent tail, so both modes evict the same number of context entries. Continue with
     `torch.cat([input_ids, question_ids, new_ids], -1)`.
 
     Args:
@@ -83,10 +86,10 @@ def compress(
         max_tokens: entries kept per (layer, kv-head) on average; the allocator decides the split.
         max_bytes: bytes of keys and values kept per sequence (all layers).
         buffer: with a size budget, keep it during decoding: tokens per (layer, kv-head) the cache
-            grows past it before it is evicted again (`kvsieve.growth.DEFAULT_BUFFER` is 64).
+            grows past it before it is evicted again (`kvsieve.runtime.growth.DEFAULT_BUFFER` is 64).
         chunk: with a size budget, prefill this many tokens at a time (unpadded prompts).
         attention_mask: `[batch, tokens]`, 1 for real tokens and 0 for padding.
-        budget: the allocator (``uniform``, ``pyramid``, ``adaptive``, ``global``) if `policy` names none.
+        allocator: ``uniform``, ``pyramid``, ``adaptive`` or ``global``, if `policy` names none.
         question_ids: `[batch, q]` tokens of the question, for question-aware compression (unpadded rows).
         protect_positions: token positions (counted over each sequence's real tokens) never to evict.
         spans: the spans ``projection=sentence`` keeps whole: a span id (e.g. the sentence number,
@@ -94,30 +97,57 @@ def compress(
             sequence's real tokens, the same for every row) or `[batch, tokens]` (the shape of
             `input_ids`, padding columns ignored). Positions past the spans (a question, generated
             tokens) are spans of their own. Other projections ignore it.
-        policy_params: scorer and allocator parameters, `n_sink` / `sliding_window` and the
+        policy_params: scorer and allocator parameters, the protection (`n_sink`, `n_recent`) and the
             projection (`projection`: ``topk``, ``chunk``, ``sentence``; `chunk_size` for ``chunk``).
     """
-    limit = make_budget(rate, max_tokens, max_bytes)
-    resolved = make_policy(policy, budget=budget, **policy_params)
+    budget = make_budget(rate, max_tokens, max_bytes)
+    resolved = make_policy(policy, allocator, **policy_params)
+    return compress_with(
+        model,
+        input_ids,
+        resolved,
+        budget,
+        buffer=buffer,
+        chunk=chunk,
+        attention_mask=attention_mask,
+        question_ids=question_ids,
+        protect_positions=protect_positions,
+        spans=spans,
+    )
+
+
+def compress_with(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    policy: Policy,
+    budget: Budget,
+    *,
+    buffer: int | None = None,
+    chunk: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    question_ids: torch.Tensor | None = None,
+    protect_positions: torch.Tensor | None = None,
+    spans: torch.Tensor | None = None,
+) -> SievedCache:
+    """`compress` with the policy and the budget already built (`make_policy`, `make_budget`)."""
     check_input_ids(model, input_ids)
-    refuse_unevictable(model, limit)
+    refuse_unevictable(model, budget)
     row_spans = spans_per_row(spans, input_ids, attention_mask)
-    if resolved.projector.needs_spans and row_spans is None:
+    if policy.projection.needs_spans and row_spans is None:
         raise PolicyError(MISSING_SPANS)
     if question_ids is not None:
-        input_ids, protected = _with_question(model, input_ids, attention_mask, question_ids, resolved.sliding_window)
+        input_ids, protected = _with_question(model, input_ids, attention_mask, question_ids, policy.n_recent)
         protect_positions = protected if protect_positions is None else torch.cat([protect_positions, protected])
         attention_mask = None
     growth = None
     if chunk is not None or buffer is not None:
-        sized = max_tokens is not None or max_bytes is not None
-        _check_bounded(sized, buffer, chunk, attention_mask, protect_positions, spans)
-        growth = BoundedGrowth.of(resolved, limit, chunk or buffer, model, protect_positions, row_spans)
+        _check_bounded(budget, buffer, chunk, attention_mask, protect_positions, spans)
+        growth = BoundedGrowth.of(policy, budget, chunk or buffer, model, protect_positions, row_spans)
     first = input_ids if chunk is None else input_ids[:, :chunk]
-    prefill = observe_prefill(model, first, resolved.needs, attention_mask=attention_mask)
+    prefill = observe_prefill(model, first, policy.needs, attention_mask=attention_mask)
     if growth is not None:
         growth.start(prefill)
-    cache = prefill.cache.keep(_keep_rows(prefill, resolved, limit, protect_positions, row_spans))
+    cache = prefill.cache.keep(_kept_per_row(prefill, policy, budget, protect_positions, row_spans))
     if growth is not None:
         if chunk is not None and input_ids.shape[1] > chunk:
             _feed_chunks(model, cache, growth, input_ids[:, chunk:], chunk)
@@ -125,7 +155,7 @@ def compress(
     return cache
 
 
-def _keep_rows(
+def _kept_per_row(
     prefill: Prefill,
     policy: Policy,
     limit: Budget,
@@ -142,7 +172,7 @@ def _keep_rows(
     for row, observations in enumerate(prefill.observations):
         try:
             row_spans = None if spans is None else spans[row]
-            keep.append(prefill.stored(row, policy.keep_indices(observations, limit, protect, row_spans)))
+            keep.append(prefill.stored(row, policy.select(observations, limit, protect, row_spans)))
         except PolicyError as err:
             if len(prefill.observations) == 1:
                 raise
@@ -184,7 +214,7 @@ def refuse_unevictable(model: torch.nn.Module, budget: Budget) -> None:
 
 
 def _check_bounded(
-    sized: bool,
+    budget: Budget,
     buffer: int | None,
     chunk: int | None,
     attention_mask: torch.Tensor | None,
@@ -192,8 +222,8 @@ def _check_bounded(
     spans: object = None,
 ) -> None:
     """A clear error for a buffer or a chunked prefill that cannot be honoured."""
-    if not sized:
-        raise PolicyError("buffer and chunk bound a size budget (max_tokens or max_bytes); a rate has no size")
+    if not budget.is_size:
+        raise PolicyError(BUFFER_NEEDS_SIZE)
     if chunk is not None:
         check_count("chunk", chunk)
     padded = attention_mask is not None and not bool(attention_mask.bool().all())
@@ -230,7 +260,7 @@ def bounded_cache(
     max_tokens: int | None = None,
     max_bytes: int | None = None,
     buffer: int = DEFAULT_BUFFER,
-    budget: str | None = None,
+    allocator: str | None = None,
     **policy_params: object,
 ) -> SievedCache:
     """An empty cache that holds a size budget from its first token on: feed it a stream of any length.
@@ -243,15 +273,20 @@ def bounded_cache(
     by the difference until the next eviction.
 
     Args:
-        policy, budget, policy_params: as for `compress`.
+        policy, allocator, policy_params: as for `compress`.
         max_tokens, max_bytes: the size (one of them), as for `compress`.
         buffer: entries per (layer, kv-head) the cache grows past the budget before it is evicted.
     """
     if max_tokens is None and max_bytes is None:
         raise PolicyError("a bounded cache needs a size: max_tokens or max_bytes")
-    limit = make_budget(None, max_tokens, max_bytes)
-    resolved = make_policy(policy, budget=budget, **policy_params)
-    refuse_unevictable(model, limit)
+    return bounded_cache_with(
+        model, make_policy(policy, allocator, **policy_params), make_budget(None, max_tokens, max_bytes), buffer
+    )
+
+
+def bounded_cache_with(model: torch.nn.Module, policy: Policy, budget: SizeBudget, buffer: int) -> SievedCache:
+    """`bounded_cache` with the policy and the size already built."""
+    refuse_unevictable(model, budget)
     cache = SievedCache.for_model(model)
-    cache.growth = BoundedGrowth.of(resolved, limit, buffer, model)
+    cache.growth = BoundedGrowth.of(policy, budget, buffer, model)
     return cache

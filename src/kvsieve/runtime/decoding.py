@@ -1,50 +1,106 @@
-"""Decoding from a compressed prompt: the one path `kvsieve.generate` and `apply` share."""
+"""Generating from a compressed prompt: the one path `kvsieve.generate` and `kvsieve.apply` share.
+
+The prompt (a context, then optionally a question) is compressed but for its last token, which
+`generate` then feeds first; with a question the compression is question-aware and the question
+stays protected. One rule for prompts too short to evict: under a rate, a prompt some row of which
+has nothing evictable (every entry is a sink or in the recent tail) is not compressed, and
+`generate` runs on the model's own cache; under a size, a prompt of one token starts from an empty
+cache held at the size. Beam search is refused: rows of a compressed cache are not reordered.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from ..selection.budget import Budget
 from ..selection.errors import PolicyError
 from ..selection.policy import Policy
+from .attention import sieve_attention
 from .cache import SievedCache
-from .compress import compress
-
-
-def compress_prompt(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    policy: str | Policy,
-    rate: float | None = None,
-    question_ids: torch.Tensor | None = None,
-    **budget: int | None,
-) -> SievedCache:
-    """`compress` every token of a prompt but the last, which `generate` then feeds first.
-
-    The prompt is `input_ids`, followed by `question_ids` if given: then the compression is
-    question-aware (the question is protected, also while a size budget holds during generation).
-    `budget`: `max_tokens`, `max_bytes` and `buffer`, as for `compress`.
-    """
-    if question_ids is not None and question_ids.shape[-1] > 1:
-        question = question_ids[:, :-1]
-        return compress(model, input_ids, policy, rate, attention_mask=attention_mask, question_ids=question, **budget)
-    if question_ids is not None:  # a one-token question is the token `generate` feeds first
-        input_ids, attention_mask = prompt_with_question(input_ids, attention_mask, question_ids)
-    context_mask = None if attention_mask is None else attention_mask[:, :-1]
-    return compress(model, input_ids[:, :-1], policy, rate, attention_mask=context_mask, **budget)
-
-
-def prompt_with_question(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, question_ids: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The whole prompt `generate` reads: the context, then the question (and the mask extended over it)."""
-    ids = torch.cat([input_ids, question_ids.to(input_ids.device)], dim=-1)
-    if attention_mask is None:
-        return ids, None
-    return ids, torch.cat([attention_mask, torch.ones_like(question_ids, device=attention_mask.device)], dim=-1)
+from .compress import BUFFER_NEEDS_SIZE, bounded_cache_with, compress_with
+from .inputs import check_input_ids, real_tokens
 
 
 def refuse_beams(model: torch.nn.Module, generate_kwargs: dict, what: str) -> None:
     """A clear error if `generate` would run beam search (asked for, or the model's generation config)."""
     if int(generate_kwargs.get("num_beams") or model.generation_config.num_beams or 1) > 1:
         raise PolicyError(f"beam search cannot run on {what}; use greedy decoding or sampling")
+
+
+def refuse_span_projection(policy: Policy) -> None:
+    """A clear error for a policy whose projection needs caller-given spans, which `generate()` cannot take."""
+    if policy.projection.needs_spans:
+        raise PolicyError(
+            f"policy {policy.name!r}: projection=sentence needs spans, which generate() cannot take; use "
+            "kvsieve.compress(..., spans=...) and decode from its cache"
+        )
+
+
+def prompt_with_question(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, question_ids: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole prompt `generate` reads (the context, then the question) and its attention mask."""
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    if question_ids is None:
+        return input_ids, mask
+    ids = torch.cat([input_ids, question_ids.to(input_ids.device)], dim=-1)
+    return ids, torch.cat([mask, torch.ones_like(question_ids, device=mask.device)], dim=-1)
+
+
+def compressed_prompt(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    question_ids: torch.Tensor | None,
+    policy: Policy,
+    budget: Budget,
+    buffer: int | None,
+) -> SievedCache | None:
+    """The cache every token of the prompt but the last is compressed into, or None where the module rule says so."""
+    context = int(real_tokens(input_ids, attention_mask).sum(dim=-1).min())
+    if question_ids is None or question_ids.shape[-1] == 1:
+        context -= 1  # the last token of the context is the one `generate` feeds first
+    if not budget.is_size and context <= policy.n_sink + policy.n_recent:
+        return None
+    if budget.is_size and context < 1:
+        return None if buffer is None else bounded_cache_with(model, policy, budget, buffer)
+    options = {"buffer": buffer, "attention_mask": attention_mask}
+    if question_ids is not None and question_ids.shape[-1] > 1:
+        return compress_with(model, input_ids, policy, budget, question_ids=question_ids[:, :-1], **options)
+    ids, mask = prompt_with_question(input_ids, attention_mask, question_ids)
+    options["attention_mask"] = None if attention_mask is None else mask[:, :-1]
+    return compress_with(model, ids[:, :-1], policy, budget, **options)
+
+
+def generate_compressed(
+    model: torch.nn.Module,
+    generate: Callable[..., torch.Tensor],
+    input_ids: torch.Tensor,
+    policy: Policy,
+    budget: Budget,
+    buffer: int | None = None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    question_ids: torch.Tensor | None = None,
+    **generate_kwargs: object,
+) -> tuple[torch.Tensor, SievedCache | None]:
+    """Compress the prompt, then run `generate` (the model's own) from the cache under sieve attention.
+
+    `buffer` (a size budget only) keeps the size while generating. Returns what `generate` returns
+    (the prompt, then the new tokens) and the cache (None where the prompt was too short to evict,
+    see the module docstring).
+    """
+    check_input_ids(model, input_ids)
+    if question_ids is not None:
+        check_input_ids(model, question_ids, "question_ids")
+    refuse_span_projection(policy)
+    if buffer is not None and not budget.is_size:
+        raise PolicyError(BUFFER_NEEDS_SIZE)
+    bounded = "a bounded cache (max_tokens, max_bytes)"
+    refuse_beams(model, generate_kwargs, bounded if buffer is not None else "a compressed cache")
+    cache = compressed_prompt(model, input_ids, attention_mask, question_ids, policy, budget, buffer)
+    prompt, mask = prompt_with_question(input_ids, attention_mask, question_ids)
+    with sieve_attention(model):
+        return generate(prompt, attention_mask=mask, past_key_values=cache, **generate_kwargs), cache

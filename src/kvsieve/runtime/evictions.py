@@ -10,7 +10,8 @@ import torch
 
 from ..selection.budget import Budget, as_budget
 from ..selection.observation import Observation
-from ..selection.policy import Policy, make_policy
+from ..selection.policy import Policy
+from ..selection.spec import make_policy
 from .cache import SievedCache
 from .prefill import Prefill
 
@@ -19,26 +20,26 @@ from .prefill import Prefill
 class Eviction:
     """One eviction of a prefill: a policy (None: keep everything), a budget (a rate, or `kvsieve.budget`'s
     `MaxTokens` / `MaxBytes`), positions never to evict and the sequence's spans (`[n_tokens]`, a span id
-    per token position, for ``projection=sentence``; see `Policy.keep_indices`)."""
+    per token position, for ``projection=sentence``; see `Policy.select`)."""
 
     policy: str | Policy | None
     budget: float | Budget = 0.0
     protect_positions: torch.Tensor | None = None
     spans: torch.Tensor | None = None
 
-    def keep_indices(self, observations: Sequence[Observation], reserved: int = 0) -> list[list[torch.Tensor]]:
+    def kept_entries(self, observations: Sequence[Observation], reserved: int = 0) -> list[list[torch.Tensor]]:
         """Per observed layer and kv-head, the entries to keep; `reserved`: bytes per sequence of the
         sliding-window layers at their window, which a byte budget sets aside first."""
         if self.policy is None:
             return [[torch.arange(o.length) for _ in range(o.num_kv_heads)] for o in observations]
         budget = as_budget(self.budget).reserve(reserved)
-        return make_policy(self.policy).keep_indices(observations, budget, self.protect_positions, self.spans)
+        return make_policy(self.policy).select(observations, budget, self.protect_positions, self.spans)
 
 
 class EvictionPlan(Protocol):
     """Anything that says which observed entries of one sequence to keep (`Eviction`, or a variant of one)."""
 
-    def keep_indices(self, observations: Sequence[Observation], reserved: int = 0) -> list[list[torch.Tensor]]: ...
+    def kept_entries(self, observations: Sequence[Observation], reserved: int = 0) -> list[list[torch.Tensor]]: ...
 
 
 def evictions(prefill: Prefill, plans: Sequence[EvictionPlan], row: int = 0) -> SievedCache:
@@ -48,5 +49,5 @@ def evictions(prefill: Prefill, plans: Sequence[EvictionPlan], row: int = 0) -> 
     one batched pass. The prefill's own cache is left as it is.
     """
     reserved = prefill.cache.window_nbytes()
-    keep = [prefill.stored(row, plan.keep_indices(prefill.observations[row], reserved)) for plan in plans]
+    keep = [prefill.stored(row, plan.kept_entries(prefill.observations[row], reserved)) for plan in plans]
     return prefill.cache.keep(keep, rows=[row] * len(keep))

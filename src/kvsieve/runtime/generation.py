@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from ..selection.budget import make_budget
 from ..selection.errors import PolicyError
 from ..selection.policy import Policy
+from ..selection.spec import make_policy
 from .attention import sieve_attention
 from .cache import SievedCache
-from .decoding import compress_prompt, prompt_with_question, refuse_beams
-from .prefill import check_input_ids
+from .decoding import generate_compressed, refuse_beams
+from .inputs import check_input_ids
 
 
 def generate(
@@ -32,7 +34,8 @@ def generate(
     `policy` and the budget (as `kvsieve.compress`; with `buffer`, a size budget also holds while
     generating), then `model.generate` runs; returns the prompt followed by the new tokens. With
     `question_ids` the prompt is `input_ids` then the question, compressed question-aware (the
-    question stays protected).
+    question stays protected). The rule for prompts too short to evict is `kvsieve.apply`'s
+    (`kvsieve.runtime.decoding`): under a rate they are generated from the model's own cache.
 
     With `cache` (from `kvsieve.compress`, one sequence): `input_ids` `[1, n]` are only the tokens
     after what the cache has seen (at least one: the next token to feed); returns them followed by
@@ -42,16 +45,22 @@ def generate(
     `generate_kwargs` go to `model.generate` (`max_new_tokens`, `do_sample`, ...); beam search
     cannot run on a compressed cache.
     """
+    if cache is None:
+        budget = make_budget(rate, max_tokens, max_bytes)
+        out, _ = generate_compressed(
+            model,
+            model.generate,
+            input_ids,
+            make_policy(policy),
+            budget,
+            buffer,
+            attention_mask=attention_mask,
+            question_ids=question_ids,
+            **generate_kwargs,
+        )
+        return out
     check_input_ids(model, input_ids)
     refuse_beams(model, generate_kwargs, "a compressed cache")
-    if cache is None:
-        budget = {"max_tokens": max_tokens, "max_bytes": max_bytes, "buffer": buffer}
-        cache = compress_prompt(model, input_ids, attention_mask, policy, rate, question_ids, **budget)
-        if question_ids is not None:
-            input_ids, attention_mask = prompt_with_question(input_ids, attention_mask, question_ids)
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        with sieve_attention(model):
-            return model.generate(input_ids, attention_mask=mask, past_key_values=cache, **generate_kwargs)
     given = (attention_mask, rate, max_tokens, max_bytes, question_ids)
     if any(value is not None for value in given):
         raise PolicyError("with a cache, give only the new tokens: its budget and padding were set by compress")

@@ -115,7 +115,7 @@ class BoundedGrowth:
 
     def __post_init__(self) -> None:
         check_count("buffer", self.buffer)
-        if self.policy.projector.needs_spans and self.spans is None:
+        if self.policy.projection.needs_spans and self.spans is None:
             raise PolicyError(MISSING_SPANS)
 
     @property
@@ -168,7 +168,7 @@ class BoundedGrowth:
         keep = []
         for row in range(cache.batch_size):
             spans = None if self.spans is None else self.spans[row]
-            keep.append(self.policy.keep_indices(self.observations(cache, row), budget, self.protect, spans))
+            keep.append(self.policy.select(self.observations(cache, row), budget, self.protect, spans))
         cache.evict(keep)
 
     def observations(self, cache: SievedCache, row: int) -> list[Observation]:

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import torch
-from transformers import PreTrainedModel
 
 from ..selection.errors import UnhookableModelError
 
 
-def check_input_ids(model: torch.nn.Module, input_ids: torch.Tensor, what: str = "input_ids") -> None:
-    """A clear error for ids that are not a `[batch, tokens]` LongTensor of the model's vocabulary."""
+def check_model(model: object) -> None:
+    """A clear error unless `model` is a `transformers` `PreTrainedModel`."""
+    # imported here: `transformers.modeling_utils` costs most of a second to import, and a caller that holds a
+    # model has loaded it already
+    from transformers import PreTrainedModel
+
     if not isinstance(model, PreTrainedModel):
         raise UnhookableModelError(f"{type(model).__name__} is not a transformers PreTrainedModel")
+
+
+def check_input_ids(model: torch.nn.Module, input_ids: torch.Tensor, what: str = "input_ids") -> None:
+    """A clear error for ids that are not a `[batch, tokens]` LongTensor of the model's vocabulary."""
+    check_model(model)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long or input_ids.ndim != 2:
         raise ValueError(f"{what} must be a LongTensor of shape [batch, tokens]")
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:

@@ -20,13 +20,11 @@ made per head or per row.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
-
-try:  # a fused varlen flash kernel (CUDA); torch versions before 2.10 have none
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-except ImportError:
-    _varlen_attn = None
 
 #: Attention weights (float32) per (row, query head) in one chunk of an observed prefill: the
 #: chunk's query count depends on the context length only, so the number of calls does not grow
@@ -177,9 +175,22 @@ def tallied_attention(
     return _unfold(out.reshape(rows, kv_heads, group * q, dim), q_heads, q).to(query.dtype), received.transpose(2, 3)
 
 
+@functools.cache
+def _varlen_kernel() -> Callable[..., torch.Tensor] | None:
+    """torch's fused varlen flash kernel (CUDA), or None in torch versions before 2.10.
+
+    Imported on first use, not with kvsieve: its module loads `torch._dynamo` (about 0.4 s).
+    """
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
 def varlen_available(query: torch.Tensor) -> bool:
     """Whether the fused varlen kernel serves this query (CUDA, fp16/bf16, a torch that has it)."""
-    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _varlen_attn is not None
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _varlen_kernel() is not None
 
 
 def varlen_attention(
@@ -203,7 +214,7 @@ def varlen_attention(
     flat = [t.as_strided((segments * capacity, 1, dim), (dim, dim, 1)) for t in (keys, values)]
     used = torch.full((segments,), length, device=query.device) if lengths is None else lengths.reshape(segments)
     steps = torch.arange(segments + 1, device=query.device, dtype=torch.int32)
-    out = _varlen_attn(
+    out = _varlen_kernel()(
         query.reshape(segments, q_heads // kv_heads, dim).contiguous(),  # one sequence per (row, kv-head)
         *flat,
         steps,

@@ -250,7 +250,7 @@ class Global:
 ALLOCATORS: dict[str, type] = {cls.name: cls for cls in (Uniform, Pyramid, Adaptive, Global)}
 
 
-def keep_indices(
+def top_scored(
     scores: torch.Tensor, protected: torch.Tensor, evictable: torch.Tensor, keep_counts: Sequence[int]
 ) -> list[torch.Tensor]:
     """Sorted indices kept per kv-head: every protected entry plus the `keep_counts[h]` best evictable ones.

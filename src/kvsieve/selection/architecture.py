@@ -7,9 +7,12 @@ full-attention layers only; a sliding layer's cache keeps its own rolling window
 
 from __future__ import annotations
 
-from transformers import PreTrainedModel
+from typing import TYPE_CHECKING
 
 from .errors import UnhookableModelError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"

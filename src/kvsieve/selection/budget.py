@@ -20,7 +20,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -56,6 +56,9 @@ def check_count(name: str, value: object) -> None:
 class Budget(Protocol):
     """How many entries a sequence keeps: each (layer, kv-head)'s uniform share of its evictable entries."""
 
+    #: whether the budget is a size (entries or bytes), which also bounds a cache that grows
+    is_size: ClassVar[bool]
+
     def shares(
         self, evictable: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], entry_bytes: int
     ) -> list[list[int]]:
@@ -85,6 +88,7 @@ class Rate:
     """Evict the fraction `rate` of every head's evictable entries."""
 
     rate: float
+    is_size: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_rate(self.rate)
@@ -98,7 +102,7 @@ class Rate:
         if self.rate > 0 and not any(bool(masks.any()) for masks in evictable):
             raise PolicyError(
                 f"nothing to evict: the sequence has {evictable[0].shape[-1]} tokens and all are protected "
-                "(n_sink + sliding_window + protected positions); use a longer context or less protection"
+                "(n_sink + n_recent + protected positions); use a longer context or less protection"
             )
         return [[uniform_keep(int(n), self.rate) for n in masks.sum(dim=-1).tolist()] for masks in evictable]
 
@@ -112,6 +116,7 @@ class MaxTokens:
     """
 
     max_tokens: int
+    is_size: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_count("max_tokens", self.max_tokens)
@@ -132,7 +137,7 @@ class MaxTokens:
             if int(n_protected.max()) > self.max_tokens:
                 raise PolicyError(
                     f"max_tokens={self.max_tokens} is smaller than the {int(n_protected.max())} protected entries "
-                    f"of a kv-head in layer {layer_idx} (n_sink + sliding_window + protected positions); "
+                    f"of a kv-head in layer {layer_idx} (n_sink + n_recent + protected positions); "
                     "raise max_tokens or protect less"
                 )
             out.append(torch.minimum(self.max_tokens - n_protected, masks.sum(dim=-1)).tolist())
@@ -149,6 +154,7 @@ class MaxBytes:
 
     max_bytes: int
     reserved: int = 0
+    is_size: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_count("max_bytes", self.max_bytes)

@@ -50,14 +50,22 @@ class TrainRecord:
 
     model_name: str
     model_hash: str
-    budget: int
-    capacity: str
+    capacity: int
+    scope: str
     lam: float
     steps: int
     seq_len: int
     seed: int
     data: dict = field(default_factory=dict)
     seconds: float = 0.0
+
+    @classmethod
+    def from_dict(cls, train: dict) -> TrainRecord:
+        """The record of a `config.json` (before kvsieve 0.2, `capacity` was called `budget` and `scope` `capacity`)."""
+        if "budget" in train:
+            renamed = {"capacity": train["budget"], "scope": train["capacity"]}
+            train = {k: v for k, v in train.items() if k not in ("budget", "capacity")} | renamed
+        return cls(**train)
 
 
 def save_gates(gates: RetentionGates, record: TrainRecord, out: str | Path) -> Path:
@@ -83,7 +91,7 @@ def read_gates(folder: str | Path) -> tuple[RetentionGates, TrainRecord]:
         gates.load_state_dict(load_file(str(folder / WEIGHTS_FILE)))
     except RuntimeError as err:
         raise GateCheckpointError(f"{folder}: the weights do not match config.json: {err}") from None
-    return gates.eval().requires_grad_(False), TrainRecord(**config["train"])
+    return gates.eval().requires_grad_(False), TrainRecord.from_dict(config["train"])
 
 
 def shipped_checkpoints() -> list[Path]:

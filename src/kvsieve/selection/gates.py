@@ -17,13 +17,16 @@ no model layer has to be hooked to see its hidden state.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers import PreTrainedModel
 
 from .architecture import layer_windows
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 #: Initial bias of the scoring projection: `log sigmoid(6) = -0.0025`, so every entry starts almost fully kept.
 DEFAULT_BIAS_INIT = 6.0

@@ -23,15 +23,14 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from .allocators import keep_indices
+from .allocators import top_scored
 from .errors import PolicyError
 
-DEFAULT_PROJECTION = "topk"
 DEFAULT_CHUNK_SIZE = 8
 
 MISSING_SPANS = (
     "projection=sentence keeps whole caller-given spans, and none were given: pass spans (a span id per token "
-    "position, e.g. kvsieve.sentence_spans(tokenizer, input_ids)) to kvsieve.compress, Policy.keep_indices or "
+    "position, e.g. kvsieve.sentence_spans(tokenizer, input_ids)) to kvsieve.compress, Policy.select or "
     "Eviction, or use projection=topk or projection=chunk"
 )
 
@@ -40,10 +39,10 @@ class Projection(Protocol):
     """Turns one layer's scores and per-head keep counts into the kept entries of each kv-head."""
 
     name: ClassVar[str]
-    #: whether `select` reads caller-given `spans` (and refuses to run without them)
+    #: whether `pick` reads caller-given `spans` (and refuses to run without them)
     needs_spans: ClassVar[bool]
 
-    def select(
+    def pick(
         self,
         scores: torch.Tensor,
         protected: torch.Tensor,
@@ -65,12 +64,12 @@ class Projection(Protocol):
 
 @dataclass(frozen=True)
 class TopK:
-    """The best-scored evictable entries of each head, one by one (`allocators.keep_indices`)."""
+    """The best-scored evictable entries of each head, one by one (`allocators.top_scored`)."""
 
     name: ClassVar[str] = "topk"
     needs_spans: ClassVar[bool] = False
 
-    def select(
+    def pick(
         self,
         scores: torch.Tensor,
         protected: torch.Tensor,
@@ -79,7 +78,7 @@ class TopK:
         positions: torch.Tensor,
         spans: torch.Tensor | None,
     ) -> list[torch.Tensor]:
-        return keep_indices(scores, protected, evictable, counts)
+        return top_scored(scores, protected, evictable, counts)
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ class Chunks:
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise PolicyError(f"chunk_size must be an integer >= 1, got {self.chunk_size!r}")
 
-    def select(
+    def pick(
         self,
         scores: torch.Tensor,
         protected: torch.Tensor,
@@ -108,7 +107,7 @@ class Chunks:
         spans: torch.Tensor | None,
     ) -> list[torch.Tensor]:
         chunks = positions.div(self.chunk_size, rounding_mode="floor")
-        return span_keep_indices(scores, protected, evictable, counts, chunks)
+        return pick_spans(scores, protected, evictable, counts, chunks)
 
 
 @dataclass(frozen=True)
@@ -122,7 +121,7 @@ class Sentences:
     name: ClassVar[str] = "sentence"
     needs_spans: ClassVar[bool] = True
 
-    def select(
+    def pick(
         self,
         scores: torch.Tensor,
         protected: torch.Tensor,
@@ -133,21 +132,10 @@ class Sentences:
     ) -> list[torch.Tensor]:
         if spans is None:
             raise PolicyError(MISSING_SPANS)
-        return span_keep_indices(scores, protected, evictable, counts, span_ids(positions, spans))
+        return pick_spans(scores, protected, evictable, counts, span_ids(positions, spans))
 
 
 PROJECTIONS: dict[str, type] = {cls.name: cls for cls in (TopK, Chunks, Sentences)}
-
-
-def make_projection(name: str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Projection:
-    """The projection called `name`; `chunk_size` is a parameter of `chunk` only."""
-    if name not in PROJECTIONS:
-        raise PolicyError(f"unknown projection {name!r}; known: {', '.join(PROJECTIONS)}")
-    if name == Chunks.name:
-        return Chunks(chunk_size)
-    if chunk_size != DEFAULT_CHUNK_SIZE:
-        raise PolicyError(f"chunk_size is a parameter of projection=chunk, not of projection={name}")
-    return PROJECTIONS[name]()
 
 
 def check_spans(spans: torch.Tensor | None) -> None:
@@ -171,7 +159,7 @@ def span_ids(positions: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
     return torch.where(positions < n, spans[positions.clamp(0, n - 1)], beyond)
 
 
-def span_keep_indices(
+def pick_spans(
     scores: torch.Tensor, protected: torch.Tensor, evictable: torch.Tensor, counts: Sequence[int], spans: torch.Tensor
 ) -> list[torch.Tensor]:
     """Sorted indices kept per kv-head: every protected entry plus `counts[h]` evictable ones, taken span by span.

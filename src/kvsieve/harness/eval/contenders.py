@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ...selection.policy import PolicyError, make_policy, split_policies
+from ...selection.errors import PolicyError
+from ...selection.spec import make_policy, split_policies
 from .methods import FULL, KVPRESS_PREFIX, CacheMethod, FullCache, KvpressPress, KvsievePolicy
 
 

@@ -18,7 +18,7 @@ forced-slot variants of the same eviction (`forced`). Rows go to a resumable res
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,9 +28,11 @@ import torch
 
 from ...selection.budget import check_rate
 from ...selection.checkpoint import shipped_gates_for
-from ...selection.policy import Policy, make_policy
+from ...selection.policy import Policy
 from ...selection.scorers import CAOTEScorer, ImportanceScorer
+from ...selection.spec import make_policy
 from ..data.sample import EncodedSample, TaskSample, encode
+from ..progress import ProgressCallback
 from .answers import judge
 from .attribution import attribute, missed_evidence, routed, span_states
 from .forced import ForcedSlots
@@ -62,7 +64,6 @@ FIXES: tuple[tuple[str, str, str | None, bool], ...] = (
     ("oracle: evidence first", "importance", None, True),
 )
 
-Progress = Callable[[int, int], None]
 
 #: Row columns: the margin with wholly evicted evidence spans forced in, and with partly kept spans completed.
 MISSCORED, COMPLETED = "misscored_margin", "completed_margin"
@@ -250,7 +251,7 @@ def run_diagnostic(
     contract: Contract = Contract(),
     results: str | Path | None = None,
     chat: bool | None = None,
-    progress: Progress | None = None,
+    progress: ProgressCallback | None = None,
 ) -> pd.DataFrame:
     """Run the diagnostic (module doc) on every sample, mode and rate; one row per configuration.
 

@@ -23,7 +23,8 @@ import torch
 
 from ...runtime.evictions import Eviction
 from ...selection.observation import Needs, Observation
-from ...selection.policy import Policy, protected_mask
+from ...selection.policy import Policy
+from ...selection.protection import protected_mask
 from ...selection.scorers.base import Scorer
 from .methods import FROM_PREFILL, CacheBuilder, Case, KvsievePolicy
 
@@ -77,14 +78,14 @@ class ForcedEviction:
     forcing: Forcing
     swap_out: Scorer
 
-    def keep_indices(self, observations: Sequence[Observation], reserved: int = 0) -> list[list[torch.Tensor]]:
+    def kept_entries(self, observations: Sequence[Observation], reserved: int = 0) -> list[list[torch.Tensor]]:
         policy = self.base.policy
         if not isinstance(policy, Policy):
             raise TypeError("forced slots need a resolved Policy")
         evidence = torch.cat([torch.arange(s, e) for s, e in self.spans]) if self.spans else torch.empty(0).long()
         out = []
-        for obs, per_head in zip(observations, self.base.keep_indices(observations, reserved), strict=True):
-            protected = protected_mask(obs, policy.n_sink, policy.sliding_window, self.base.protect_positions)
+        for obs, per_head in zip(observations, self.base.kept_entries(observations, reserved), strict=True):
+            protected = protected_mask(obs, policy.n_sink, policy.n_recent, self.base.protect_positions)
             droppable = obs.valid_mask & ~protected & ~torch.isin(obs.positions, evidence)
             swap_out = self.swap_out.score(obs)
             layer = []

@@ -27,11 +27,11 @@ import torch
 from transformers import Cache
 
 from ...runtime.attention import sieve_attention
-from ...runtime.compress import question_protection
 from ...runtime.evictions import Eviction, evictions
 from ...runtime.prefill import Prefill, observe_prefill
 from ...selection.observation import Needs
-from ...selection.policy import DEFAULT_N_SINK, DEFAULT_SLIDING_WINDOW, Policy
+from ...selection.policy import Policy
+from ...selection.protection import DEFAULT_N_RECENT, DEFAULT_N_SINK, question_protection
 from ..data.sample import EncodedSample
 from .margins import Margin, margins
 from .respond import Response, continuation_nll, respond
@@ -225,7 +225,7 @@ class KvsievePolicy:
         """Positions no eviction of this case may touch (the question and the context's recent window)."""
         if not case.n_question:
             return None
-        return question_protection(case.n_context, case.n_question, self.policy.sliding_window)
+        return question_protection(case.n_context, case.n_question, self.policy.n_recent)
 
     def eviction(self, case: Case, rate: float) -> Eviction:
         return Eviction(reseeded(self.policy, case.index), rate, self.protect(case), case.spans)
@@ -244,7 +244,7 @@ class PressCompression:
         if len(todo) != 1:
             raise ValueError("kvpress configurations are compressed one at a time")
         (method, rate) = todo[0]
-        n_protected = DEFAULT_N_SINK + DEFAULT_SLIDING_WINDOW + case.n_question
+        n_protected = DEFAULT_N_SINK + DEFAULT_N_RECENT + case.n_question
         pressed = kvpress_compress(model, case.ids, method.press, rate, n_protected=n_protected)
         visible = pressed.visible[..., : case.n_context]
         return Compressed(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import operator
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,12 +24,13 @@ import torch
 
 from ...selection.budget import check_rate
 from ...selection.observation import Needs
-from ...selection.policy import Policy, make_policy
+from ...selection.policy import Policy
+from ...selection.spec import make_policy
+from ..progress import ProgressCallback
 from .methods import Case, FullCache, KvsievePolicy, build
 from .stats import bootstrap_delta_ci, pooled_delta_pct, pooled_ppl
 
 #: Called after each (document, configuration) with (done, total).
-Progress = Callable[[int, int], None]
 
 #: Configurations fed together as rows of one batch (one prefill, many evictions).
 ROWS_PER_PASS = 4
@@ -99,7 +100,7 @@ def run_ppl(
     *,
     rows_per_pass: int = ROWS_PER_PASS,
     reprefill: bool = False,
-    progress: Progress | None = None,
+    progress: ProgressCallback | None = None,
 ) -> PplResult:
     """Run the perplexity protocol.
 

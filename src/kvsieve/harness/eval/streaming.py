@@ -39,9 +39,9 @@ from ...selection.budget import check_count
 from ...selection.policy import Policy
 from ..data.essays import essay_texts
 from ..data.haystack import LINE_SEP, needle_units
+from ..progress import ProgressCallback
 from .contenders import parse_contenders
 from .methods import CacheMethod, KvpressPress, KvsievePolicy, reseeded
-from .perplexity import Progress
 from .stats import bootstrap_delta_ci, bootstrap_ppl_ci, pooled_delta_pct, pooled_ppl
 
 #: The protocol's budgets: entries per (layer, kv-head) on average.
@@ -414,7 +414,7 @@ def _preflight(
         if isinstance(contender, KvpressPress):
             make_decoding_press(contender.press, budget, buffer)
         elif isinstance(contender, KvsievePolicy):
-            protected = contender.policy.n_sink + contender.policy.sliding_window
+            protected = contender.policy.n_sink + contender.policy.n_recent
             probe = ids[:1, : max(budget, protected) + buffer + 1]  # holds every protected entry when evicting
             cache = bounded_cache(model, contender.policy, max_tokens=budget, buffer=buffer)
             with sieve_attention(model):
@@ -462,7 +462,7 @@ class StreamPlan:
         fed = [self.context_limit if budget is None else self.ids.shape[1] for _, budget in self.configurations]
         return sum(math.ceil(n / self.buffer) for n in fed) * len(self.batches)
 
-    def run(self, model: torch.nn.Module, progress: Progress | None = None) -> StreamResult:
+    def run(self, model: torch.nn.Module, progress: ProgressCallback | None = None) -> StreamResult:
         """Feed every batch of documents through every configuration; `progress` after every chunk."""
         total, done = self.chunks(), [0]
 
@@ -522,7 +522,7 @@ def run_streaming(
     bucket: int = BUCKET,
     press_budgets: Sequence[int] | None = None,
     rows_per_pass: int = ROWS_PER_PASS,
-    progress: Progress | None = None,
+    progress: ProgressCallback | None = None,
 ) -> StreamResult:
     """Run the streaming perplexity protocol: the full cache, then every (policy, budget), on the same documents.
 

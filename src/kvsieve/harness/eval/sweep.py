@@ -19,7 +19,7 @@ import hashlib
 import math
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,19 +30,18 @@ from ...selection.budget import check_rate
 from ...selection.observation import Needs
 from ...selection.spans import sentence_spans
 from ..data.sample import EncodedSample, TaskSample, encode
+from ..progress import ProgressCallback
 from .answers import judge
 from .contenders import parse_contenders
 from .methods import CacheMethod, Case, Configuration, build
 from .respond import Response
 from .results_log import ResultsLog
-from .results_log import read_rows as read_rows
 from .routing import diagnose
 
 #: Question-agnostic: compress the context before the question is seen. Question-aware: after.
 MODES = ("agnostic", "aware")
 
 #: Called after each configuration with (done, total).
-Progress = Callable[[int, int], None]
 
 #: kvsieve configurations of a sample answered together as one batch (one prefill, many evictions).
 ROWS_PER_PASS = 16
@@ -210,7 +209,7 @@ def run_sweep(
     diagnostics: bool = True,
     reprefill: bool = False,
     rows_per_pass: int = ROWS_PER_PASS,
-    progress: Progress | None = None,
+    progress: ProgressCallback | None = None,
 ) -> pd.DataFrame:
     """Run every (contender, rate) on every sample in every mode; one row each (see module doc).
 

@@ -11,7 +11,7 @@ from typing import Any
 import pandas as pd
 
 from ..eval.analysis import accuracy_by_rate, cliff, consensus_by_depth, hallucination_vs_ger, library_side_by_side
-from ..eval.sweep import read_rows
+from ..eval.results_log import read_rows
 from .figures import plot_accuracy_vs_rate, plot_consensus_by_depth, plot_hallucination_vs_ger
 
 RESULTS_FILE = "results.jsonl"

@@ -3,7 +3,7 @@
 Formulas as in TRIM-KV (arXiv 2512.03324) and DBTrimKV (arXiv 2605.09649) and their public code:
 the quality term is the forward KL from the full-cache teacher's next-token distribution (optionally
 averaged with the next-token loss); the capacity term penalises the expected number of entries kept,
-`S_t = sum_{i <= t} beta_i^(t - i)`, above the budget `M`, normalised by how far above `M` the
+`S_t = sum_{i <= t} beta_i^(t - i)`, above the capacity `M`, normalised by how far above `M` the
 sequence itself is: `max(0, (S_t - M) / max(t - M, 1))`, averaged over the positive terms. The global
 variant sums `S_t` over every (layer, kv-head) and compares it with `M` times their number.
 """
@@ -17,7 +17,8 @@ from torch.nn import functional as F
 
 from .retention import retention_bias
 
-CAPACITIES = ("global", "head")
+#: Where the capacity `M` applies: to the sum over every (layer, kv-head) (DBTrimKV), or to each head (TRIM-KV).
+SCOPES = ("global", "head")
 
 
 def forward_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
@@ -37,22 +38,22 @@ def expected_kept(log_beta: torch.Tensor) -> torch.Tensor:
     return retention_bias(log_beta).exp().sum(-1)
 
 
-def capacity_loss(log_betas: Iterable[torch.Tensor], budget: int, capacity: str = "global") -> torch.Tensor:
+def capacity_loss(log_betas: Iterable[torch.Tensor], capacity: int, scope: str = "global") -> torch.Tensor:
     """The capacity hinge over every gated layer's `log beta [batch, kv_heads, T]`.
 
     Args:
-        budget: `M`, entries per (layer, kv-head).
-        capacity: ``"global"`` (one budget over all layers and heads) or ``"head"`` (one per head).
+        capacity: `M`, entries per (layer, kv-head).
+        scope: ``"global"`` (`M` times the heads, over all layers and heads together) or ``"head"`` (`M` per head).
     """
-    if capacity not in CAPACITIES:
-        raise ValueError(f"capacity must be one of {CAPACITIES}, got {capacity!r}")
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
     kept = torch.cat([expected_kept(lb) for lb in log_betas], dim=1)  # [batch, layers * kv_heads, T]
     pools = kept.shape[1]
-    if capacity == "global":
-        kept, budget_total, scale = kept.sum(1, keepdim=True), budget * pools, pools
+    if scope == "global":
+        kept, total, scale = kept.sum(1, keepdim=True), capacity * pools, pools
     else:
-        budget_total, scale = budget, 1
+        total, scale = capacity, 1
     steps = torch.arange(kept.shape[-1], device=kept.device, dtype=kept.dtype) * scale
-    hinge = torch.relu((kept - budget_total) / (steps - budget_total).clamp(min=1.0))
+    hinge = torch.relu((kept - total) / (steps - total).clamp(min=1.0))
     positive = (hinge > 0).sum()
     return hinge.sum() / positive if positive > 0 else hinge.sum()

@@ -2,7 +2,7 @@
 
 Each step feeds one sequence twice: once with the model's own attention (the teacher: the full
 cache), once under soft retention (the student). Loss = quality (forward KL to the teacher, averaged
-with the next-token loss if asked) + `lam` x capacity hinge (`kvsieve.learn.losses`). Only the gates
+with the next-token loss if asked) + `lam` x capacity hinge (`kvsieve.harness.training.losses`). Only the gates
 receive gradients; the model is not modified. Progress is saved every `save_every` steps, and a
 rerun with the same arguments resumes from there; with the same seed, a run is repeatable.
 """
@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ...selection.checkpoint import TrainRecord, model_fingerprint, save_gates
+from ..progress import progress_bar
 from ...selection.gates import DEFAULT_BIAS_INIT, DEFAULT_WIDTH, RetentionGates, gate_shape
 from ...selection.rotary import find_rotary
 from .data import TrainingData, training_data
-from .losses import CAPACITIES, capacity_loss, forward_kl, next_token_loss
+from .losses import SCOPES, capacity_loss, forward_kl, next_token_loss
 from .retention import RetentionTape, soft_retention
 
 STATE_FILE = "train_state.pt"
@@ -33,13 +33,13 @@ class TrainConfig:
     """What `train_gates` does; all of it is recorded with the gates.
 
     Attributes:
-        budget: `M`, entries per (layer, kv-head) the capacity hinge aims for.
+        capacity: `M`, entries per (layer, kv-head) the capacity hinge aims for.
         steps: optimiser steps (one sequence each). The default fits the 40-minute budget on 2 CPU cores for
             the default model: a step at 1,024 tokens takes about 11 s there (the shipped gates: 1,724 s for
             160 steps; about 5 s at 512, where not every task prompt fits).
         seq_len: tokens per training sequence.
         lam: weight of the capacity hinge.
-        capacity: ``"global"`` (one budget over every layer and head, DBTrimKV) or ``"head"`` (TRIM-KV).
+        scope: ``"global"`` (one capacity over every layer and head, DBTrimKV) or ``"head"`` (TRIM-KV).
         ntp: average the next-token loss into the quality term.
         lr: Adam learning rate.
         width: hidden units per (layer, kv-head).
@@ -49,11 +49,11 @@ class TrainConfig:
         save_every: steps between resumable saves.
     """
 
-    budget: int = 128
+    capacity: int = 128
     steps: int = 160
     seq_len: int = 1024
     lam: float = 1.0
-    capacity: str = "global"
+    scope: str = "global"
     ntp: bool = False
     lr: float = 5e-3
     width: int = DEFAULT_WIDTH
@@ -63,13 +63,13 @@ class TrainConfig:
     save_every: int = 25
 
     def __post_init__(self) -> None:
-        if self.capacity not in CAPACITIES:
-            raise ValueError(f"capacity must be one of {CAPACITIES}, got {self.capacity!r}")
-        for name in ("budget", "steps", "seq_len", "width", "save_every"):
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
+        for name in ("capacity", "steps", "seq_len", "width", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.budget >= self.seq_len:
-            raise ValueError(f"budget {self.budget} must be below seq_len {self.seq_len}: nothing would be evicted")
+        if self.capacity >= self.seq_len:
+            raise ValueError(f"capacity {self.capacity} must be below seq_len {self.seq_len}: nothing would be evicted")
 
 
 def train_step(
@@ -83,7 +83,7 @@ def train_step(
         student = model(input_ids=ids, use_cache=False).logits
     kl = forward_kl(student, teacher)
     quality = (kl + next_token_loss(student, ids)) / 2 if config.ntp else kl
-    capacity = capacity_loss(tape.log_beta.values(), config.budget, config.capacity)
+    capacity = capacity_loss(tape.log_beta.values(), config.capacity, config.scope)
     return {"loss": quality + config.lam * capacity, "kl": kl, "capacity": capacity}
 
 
@@ -100,17 +100,6 @@ def _resume(
     gates.load_state_dict(state["gates"])
     optimizer.load_state_dict(state["optimizer"])
     return int(state["step"]), float(state["seconds"])
-
-
-def _progress() -> Progress:
-    return Progress(
-        TextColumn("[bold]train-gates"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TextColumn("kl {task.fields[kl]:.4f} cap {task.fields[cap]:.4f}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
 
 
 def train_gates(
@@ -134,8 +123,9 @@ def train_gates(
     cos, sin = find_rotary(model)(torch.arange(config.seq_len, device=model.device))
     tape = RetentionTape(gates, cos, sin)
     model.eval()
-    with _progress() as bar:
-        task = bar.add_task("train", total=config.steps, completed=step, kl=0.0, cap=0.0, visible=show_progress)
+    fields = "kl {task.fields[kl]:.4f} cap {task.fields[cap]:.4f}"
+    with progress_bar("train-gates", fields=fields, visible=show_progress, kl=0.0, cap=0.0) as progress:
+        progress(step, config.steps)
         while step < config.steps:
             start = time.perf_counter()
             ids = data.sequences[step % len(data.sequences)].to(model.device)
@@ -144,15 +134,15 @@ def train_gates(
             torch.autograd.backward(terms["loss"], inputs=list(gates.parameters()))
             optimizer.step()
             step, seconds = step + 1, seconds + time.perf_counter() - start
-            bar.update(task, completed=step, kl=terms["kl"].item(), cap=terms["capacity"].item())
+            progress(step, config.steps, kl=terms["kl"].item(), cap=terms["capacity"].item())
             if step % config.save_every == 0 or step == config.steps:
                 state = {"gates": gates.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
                 torch.save(state | {"seconds": seconds, "config": dataclasses.asdict(config)}, out / STATE_FILE)
     record = TrainRecord(
         model_name=model_name,
         model_hash=model_fingerprint(model),
-        budget=config.budget,
         capacity=config.capacity,
+        scope=config.scope,
         lam=config.lam,
         steps=config.steps,
         seq_len=config.seq_len,

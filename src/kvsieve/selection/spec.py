@@ -1,0 +1,148 @@
+"""Policy specs: the canonical strings ``"scorer[+allocator][:key=value,...]"`` and the parser that builds a `Policy`.
+
+A spec names a scorer (`kvsieve.selection.scorers`) and optionally an allocator
+(`kvsieve.selection.allocators`, ``uniform`` by default); its parameters belong to the scorer, the
+allocator, the protection (`n_sink`, `n_recent`) or the projection (``projection=topk|chunk|sentence``
+and the chosen projection's own parameters, e.g. `chunk_size`). `Policy.name` writes the spec back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .allocators import ALLOCATORS
+from .deprecation import renamed_keywords
+from .errors import PolicyError
+from .policy import Policy
+from .projection import PROJECTIONS, Projection, TopK
+from .protection import PROTECTION_DEFAULTS
+from .scorers import SCORERS
+
+#: Deprecated keywords `make_policy` (and everything that passes policy parameters on to it) still takes.
+DEPRECATED_PARAMETERS = ("budget", "sliding_window")
+
+
+def _defaults(cls: type) -> dict[str, object]:
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.init}
+
+
+def _convert(value: str, like: object, key: str) -> object:
+    """A spec text value as the type of the parameter's default."""
+    try:
+        if isinstance(like, bool):
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return value.lower() in ("true", "1")
+        return type(like)(value)
+    except ValueError:
+        raise PolicyError(f"parameter {key}={value!r} is not a valid {type(like).__name__}") from None
+
+
+def _text_parameters(text: str) -> dict[str, str]:
+    """`key=value,...` as a dict of strings."""
+    given: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if not eq:
+            raise PolicyError(f"policy parameter {item!r} is not key=value")
+        given[key] = value
+    return given
+
+
+def _projection(given: dict[str, object]) -> Projection:
+    """The projection the parameters name (``topk`` by default), with its own parameters.
+
+    A parameter of another projection is an error unless it has that projection's default value.
+    """
+    choice = given.pop("projection", TopK.name)
+    if not isinstance(choice, str):  # a Projection object
+        return choice
+    if choice not in PROJECTIONS:
+        raise PolicyError(f"unknown projection {choice!r}; known: {', '.join(PROJECTIONS)}")
+    own = _defaults(PROJECTIONS[choice])
+    for key, value in given.items():
+        if key in own:
+            continue
+        other = next(name for name, cls in PROJECTIONS.items() if key in _defaults(cls))
+        if value != _defaults(PROJECTIONS[other])[key]:
+            raise PolicyError(f"{key} is a parameter of projection={other}, not of projection={choice}")
+    return PROJECTIONS[choice](**{k: v for k, v in given.items() if k in own})
+
+
+def _names(spec: str, allocator: str | None) -> tuple[str, str, str]:
+    """`(scorer, allocator, parameter text)` of a spec, checked against the registries."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise PolicyError(f"a policy is a name such as 'snapkv', got {spec!r}; known: {', '.join(SCORERS)}")
+    head, _, text = spec.strip().partition(":")
+    scorer_name, _, allocator_name = (part.strip() for part in head.partition("+"))
+    if scorer_name not in SCORERS:
+        raise PolicyError(f"unknown policy {scorer_name!r}; known: {', '.join(SCORERS)}")
+    if allocator is not None and allocator_name and allocator != allocator_name:
+        raise PolicyError(f"policy {spec!r} names allocator {allocator_name!r} but allocator={allocator!r}")
+    allocator_name = allocator_name or allocator or "uniform"
+    if allocator_name not in ALLOCATORS:
+        raise PolicyError(f"unknown allocator {allocator_name!r}; known: {', '.join(ALLOCATORS)}")
+    return scorer_name, allocator_name, text
+
+
+def make_policy(spec: str | Policy, allocator: str | None = None, **params: object) -> Policy:
+    """Build a policy from ``"scorer[+allocator][:key=value,...]"`` (or return a given `Policy`).
+
+    Args:
+        spec: e.g. ``"snapkv"``, ``"snapkv+adaptive:window=32"``, ``"importance+global:calibration=zscore"``.
+        allocator: ``uniform``, ``pyramid``, ``adaptive`` or ``global``, if `spec` names none.
+        params: override the spec's; keys are the scorer's and the allocator's fields plus `n_sink`,
+            `n_recent`, `projection` (``topk``, ``chunk``, ``sentence``, or a `Projection`) and the
+            projection's own (`chunk_size` for ``chunk``), e.g. ``"snapkv+global:projection=chunk,chunk_size=16"``.
+            The deprecated `budget` (the allocator) and `sliding_window` (`n_recent`) still work, with a warning.
+    """
+    params = renamed_keywords(params, "make_policy", DEPRECATED_PARAMETERS)
+    if "allocator" in params:
+        if allocator is not None:
+            raise PolicyError("give the allocator once")
+        allocator = params.pop("allocator")
+    if isinstance(spec, Policy):
+        if params or allocator is not None:
+            raise PolicyError("parameters or an allocator cannot be given together with a Policy object")
+        return spec
+    scorer_name, allocator_name, text = _names(spec, allocator)
+    parts = {
+        "scorer": _defaults(SCORERS[scorer_name]),
+        "allocator": _defaults(ALLOCATORS[allocator_name]),
+        "protection": dict(PROTECTION_DEFAULTS),
+        "projection": {"projection": TopK.name} | {k: v for c in PROJECTIONS.values() for k, v in _defaults(c).items()},
+    }
+    owner = {key: part for part, defaults in parts.items() for key in defaults}
+    label = scorer_name if allocator_name == "uniform" else f"{scorer_name}+{allocator_name}"
+    given: dict[str, object] = renamed_keywords(_text_parameters(text), f"policy {spec!r}", ("sliding_window",))
+    for key in [*given, *params]:
+        if key not in owner:
+            raise PolicyError(f"unknown parameter {key!r} for {label}; valid: {', '.join(owner)}")
+    given = {key: _convert(value, parts[owner[key]][key], key) for key, value in given.items()} | params
+    kwargs = {part: {k: v for k, v in given.items() if owner[k] == part} for part in parts}
+    try:
+        scorer = SCORERS[scorer_name](**kwargs["scorer"])
+        allocator_obj = ALLOCATORS[allocator_name](**kwargs["allocator"])
+    except (TypeError, ValueError) as err:
+        raise PolicyError(f"{spec}: {err}") from None
+    return Policy(scorer, allocator_obj, _projection(kwargs["projection"]), **kwargs["protection"])
+
+
+def split_policies(text: str) -> list[str]:
+    """Split a comma-separated list of policy specs; `key=value` items belong to the spec before them.
+
+    ``"snapkv+adaptive:window=16,kernel=7,random"`` -> ``["snapkv+adaptive:window=16,kernel=7", "random"]``.
+    """
+    specs: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if "=" in part and ":" not in part and specs:
+            specs[-1] += f",{part}"
+        else:
+            specs.append(part)
+    return specs
+
+
+def known_policies() -> list[str]:
+    return list(SCORERS)
