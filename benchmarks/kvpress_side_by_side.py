@@ -20,9 +20,9 @@ import pandas as pd
 from rich.console import Console
 
 from kvsieve import load_model
-from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.data.suites import task_samples
 from kvsieve.harness.eval.sweep import run_sweep
+from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table
 
 ROOT = Path(__file__).parent

@@ -29,7 +29,6 @@ import numpy as np
 import pandas as pd
 
 import kvsieve
-from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.data import essay_split, sample_documents, task_samples
 from kvsieve.harness.eval import run_ppl
 from kvsieve.harness.eval.analysis import accuracy_by_rate, against_full
@@ -37,6 +36,7 @@ from kvsieve.harness.eval.perplexity import PplResult
 from kvsieve.harness.eval.stats import bootstrap_delta_ci, pooled_delta_pct
 from kvsieve.harness.eval.streaming import run_streaming, streaming_documents
 from kvsieve.harness.eval.sweep import run_sweep
+from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table, ppl_markdown, stream_markdown
 
 RESULTS = Path(__file__).parent / "results"

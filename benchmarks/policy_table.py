@@ -19,9 +19,9 @@ from pathlib import Path
 from rich.console import Console
 
 from kvsieve import known_policies, load_model
-from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.data import sample_documents
 from kvsieve.harness.eval import run_ppl
+from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import plot_ppl, ppl_markdown, ppl_table
 
 RESULTS = Path(__file__).parent / "results"

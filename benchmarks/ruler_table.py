@@ -20,11 +20,11 @@ import pandas as pd
 from rich.console import Console
 
 from kvsieve import load_model
-from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.data.suites import task_samples
 from kvsieve.harness.eval.analysis import accuracy_by_rate, cliff, hallucination_vs_ger
 from kvsieve.harness.eval.contenders import parse_contenders
 from kvsieve.harness.eval.sweep import run_sweep, sample_key
+from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table
 from kvsieve.harness.report.figures import plot_accuracy_vs_rate, plot_hallucination_vs_ger
 from kvsieve.harness.report.html import write_report

@@ -24,17 +24,17 @@ from typing import Any
 import torch
 
 import kvsieve
-from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.compare.kvpress import STREAMING_PRESSES
 from kvsieve.harness.eval.streaming import (
     BUCKET,
     DOC_TOKENS,
-    ROWS_PER_PASS,
     STREAM_BUDGETS,
     STREAM_POLICIES,
+    STREAM_ROWS_PER_PASS,
     run_streaming,
     streaming_documents,
 )
+from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table, plot_stream_ppl, stream_markdown
 from kvsieve.runtime.growth import DEFAULT_BUFFER
 
@@ -75,7 +75,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--docs", type=int, default=DOCS)
     parser.add_argument("--doc-tokens", type=int, default=DOC_TOKENS)
     parser.add_argument("--buffer", type=int, default=DEFAULT_BUFFER)
-    parser.add_argument("--rows", type=int, default=ROWS_PER_PASS, help="documents per batch")
+    parser.add_argument("--rows", type=int, default=STREAM_ROWS_PER_PASS, help="documents per batch")
     parser.add_argument("--quick", action="store_true", help="a smoke run of about a minute")
     args = parser.parse_args()
     if args.quick:

@@ -165,13 +165,14 @@ def test_segments_append_grow_and_pad():
 
 @torch.no_grad()
 def test_layouts_handed_to_attention_do_not_outlive_their_tensors(model, ids):
-    """Nothing keeps the padded tensors of past forwards alive (the layout table holds them weakly)."""
-    from kvsieve.runtime.layout import _LAYOUTS
+    """Nothing keeps the padded tensors of past forwards alive (the scope's layout table holds them weakly)."""
+    from kvsieve.runtime.layout import active_scope
 
     cache = kvsieve.compress(model, ids[:, :100], "snapkv+adaptive", 0.5)
     with kvsieve.sieve_attention(model):
         for step in range(5):
             model(ids[:, 100 + step : 101 + step], past_key_values=cache)
-    gc.collect()
-    assert len(_LAYOUTS) == 0
+        gc.collect()
+        assert len(active_scope().layouts) == 0
+    assert active_scope() is None, "the table goes with the block"
     assert cache.layers[0].keys is None, "layers keep no padded copy between forwards"

@@ -14,18 +14,16 @@ from typer.testing import CliRunner
 import kvsieve
 from kvsieve.harness.cli import app
 from kvsieve.harness.compare.kvpress import PressStream
+from kvsieve.harness.eval.contenders import parse_contenders
 from kvsieve.harness.eval.streaming import (
-    CacheSize,
     StreamResult,
     StreamRun,
-    feed_stream,
     plan_streaming,
-    press_trace,
     run_streaming,
-    sieved_size,
-    sieved_trace,
+    stream_trace,
     streaming_documents,
 )
+from kvsieve.harness.eval.streams import CacheSize, feed_stream, sieved_size
 from kvsieve.harness.report import plot_stream_ppl, stream_markdown
 from tokenizer import tiny_tokenizer
 
@@ -40,6 +38,11 @@ def _ids(rows: int, length: int, seed: int = 0) -> torch.Tensor:
 
 def _docs(rows: int, length: int) -> list[tuple[str, torch.Tensor]]:
     return [(f"doc{i}", ids[None]) for i, ids in enumerate(_ids(rows, length))]
+
+
+def _trace(model: torch.nn.Module, ids: torch.Tensor, spec: str, budget: int, buffer: int):
+    """The stream of the method a policy spec or ``kvpress:<press>`` names."""
+    return stream_trace(model, ids, parse_contenders(spec)[-1], budget, buffer)
 
 
 def test_pooled_and_bucketed_ppl_equal_a_direct_computation():
@@ -109,7 +112,7 @@ def test_the_cache_never_exceeds_budget_plus_buffer(model):
         (budget + buffer) * ENTRY_BYTES * HEADS, trace.peak.allocated, float(budget + buffer)
     )
     assert trace.peak.nbytes <= trace.peak.allocated and trace.tokens == 2 * 120
-    assert sieved_trace(model, ids, "snapkv", budget, buffer).peak == trace.peak
+    assert _trace(model, ids, "snapkv", budget, buffer).peak == trace.peak
 
 
 @torch.no_grad()
@@ -140,7 +143,7 @@ def test_kvpress_stream_compresses_and_its_first_chunk_is_the_plain_model(model)
     torch.testing.assert_close(first, model(ids[:, :buffer]).logits)
     assert max(held) == budget == held[-1]  # compressed after every forward once past the target
     assert stream.nbytes() == 2 * budget * ENTRY_BYTES * HEADS == stream.allocated_nbytes()
-    trace = press_trace(model, ids, "knorm", budget, buffer)
+    trace = _trace(model, ids, "kvpress:knorm", budget, buffer)
     assert trace.peak == CacheSize(budget * ENTRY_BYTES * HEADS, budget * ENTRY_BYTES * HEADS, float(budget))
 
 
@@ -150,10 +153,10 @@ def test_kvpress_stream_equals_kvsieve_with_its_protection(model, policy, press)
     """kvpress protects nothing (knorm) or the last token (tova); kvsieve set alike keeps the same entries."""
     ids = _ids(2, 128)
     protection = "n_sink=0,n_recent=0" if press == "knorm" else "n_sink=0,n_recent=1"
-    ours = sieved_trace(model, ids, f"{policy}:{protection}", 32, 16)
-    theirs = press_trace(model, ids, press, 32, 16)
+    ours = _trace(model, ids, f"{policy}:{protection}", 32, 16)
+    theirs = _trace(model, ids, f"kvpress:{press}", 32, 16)
     np.testing.assert_allclose(ours.nll, theirs.nll, atol=1e-3, rtol=0)  # NaN at position 0 in both
-    unprotected = sieved_trace(model, ids, policy, 40, 16)
+    unprotected = _trace(model, ids, policy, 40, 16)
     assert np.nanmax(np.abs(unprotected.nll - theirs.nll)) > 1e-3  # the default protection differs
 
 

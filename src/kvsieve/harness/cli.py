@@ -43,9 +43,9 @@ from .eval.methods import CacheMethod, KvsievePolicy
 from .eval.streaming import (
     BUCKET,
     DOC_TOKENS,
-    ROWS_PER_PASS,
     SOURCES,
     STREAM_POLICIES,
+    STREAM_ROWS_PER_PASS,
     plan_streaming,
     streaming_documents,
 )
@@ -179,7 +179,9 @@ def ppl(
     doc_tokens: Annotated[int | None, typer.Option(min=2, help=f"--stream tokens per document ({DOC_TOKENS})")] = None,
     bucket: Annotated[int | None, typer.Option(min=1, help=f"--stream position bucket width ({BUCKET})")] = None,
     source: Annotated[str | None, typer.Option(help=f"--stream documents: {', '.join(SOURCES)} (essays)")] = None,
-    rows: Annotated[int | None, typer.Option(min=1, help=f"--stream documents per batch ({ROWS_PER_PASS})")] = None,
+    rows: Annotated[
+        int | None, typer.Option(min=1, help=f"--stream documents per batch ({STREAM_ROWS_PER_PASS})")
+    ] = None,
 ) -> None:
     """Perplexity against the full cache per policy: rates after a prefill, or --stream at fixed budgets (DESIGN §4)."""
     given = dict(zip(RATE_OPTIONS, (rates,), strict=True))
@@ -187,7 +189,7 @@ def ppl(
     _check_ppl_mode(stream, given)
     if stream:
         options = {"buffer": buffer or DEFAULT_BUFFER, "doc_tokens": doc_tokens or DOC_TOKENS}
-        options |= {"bucket": bucket or BUCKET, "source": source or SOURCES[0], "rows": rows or ROWS_PER_PASS}
+        options |= {"bucket": bucket or BUCKET, "source": source or SOURCES[0], "rows": rows or STREAM_ROWS_PER_PASS}
         budgets = _split(max_tokens, int)
         report = stream_experiment(model, policies or ",".join(STREAM_POLICIES), budgets, docs, seed, options)
     else:

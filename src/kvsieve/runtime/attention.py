@@ -24,7 +24,7 @@ from ..selection.architecture import layer_windows
 from ..selection.errors import UnhookableModelError
 from .inputs import check_model
 from .kernels import masked_sdpa, observed_attention, tallied_attention, varlen_attention, varlen_available
-from .layout import RaggedLayout, layout_of, sieve_scope
+from .layout import RaggedLayout, active_scope, sieve_scope
 from .segments import PAD_POSITION
 
 if TYPE_CHECKING:
@@ -80,7 +80,8 @@ def sieve_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """`transformers`' attention-function signature: `query [batch, heads, q, d]` -> `[batch, q, heads, d]`."""
-    layout = layout_of(key)
+    scope = active_scope()
+    layout = None if scope is None else scope.layout_of(key)
     if layout is not None and layout.queries is not None:
         layout.queries.append(layout.layer_idx, query, layout.query_positions)
     if layout is None or (layout.contiguous and layout.recorder is None and layout.tally is None):

@@ -24,8 +24,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..selection.architecture import layer_windows
-from .layout import QueryLog, RaggedLayout, Recorder, in_sieve_scope, publish
-from .segments import Segments
+from .layout import AttentionTally, QueryLog, RaggedLayout, Recorder, active_scope
+from .segments import Segments, Slots
 from .sliding import SlidingLayer
 
 if TYPE_CHECKING:
@@ -65,7 +65,8 @@ class SievedLayer(CacheLayerMixin):
         self.segments: Segments | None = None
         self.seen_tokens = 0
         self.contiguous = True
-        self.layout: RaggedLayout | None = None
+        self.slots: Slots | None = None  # of the tensors the last `update` returned
+        self.query_positions: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -97,8 +98,18 @@ class SievedLayer(CacheLayerMixin):
             self.segments.append(key_states, value_states, positions)
         self.seen_tokens += q  # tokens fed, as `DynamicLayer` counts them (no device sync)
         view = self.segments.padded()
-        self.layout = RaggedLayout(view.slots, query_positions=positions, contiguous=self.contiguous, layer_idx=-1)
+        self.slots, self.query_positions = view.slots, positions
         return view.keys, view.values
+
+    def layout(
+        self,
+        layer_idx: int,
+        recorder: Recorder | None = None,
+        queries: QueryLog | None = None,
+        tally: AttentionTally | None = None,
+    ) -> RaggedLayout:
+        """What sieve attention must know about the tensors the last `update` returned (`kvsieve.runtime.layout`)."""
+        return RaggedLayout(self.slots, self.query_positions, self.contiguous, layer_idx, recorder, queries, tally)
 
     def get_seq_length(self) -> int:
         return self.seen_tokens
@@ -256,9 +267,14 @@ class SievedCache(Cache):
         layer_idx: int,
         cache_kwargs: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append through the layer's own `update` (after `growth` had its say), then publish its layout."""
+        """Append through the layer's own `update` (after `growth` had its say), then publish its layout.
+
+        Before layer 0 appends, `growth` may evict every layer (the one place where the cache calls back
+        up into selection: see docs/design.md, "Inversions of control").
+        """
+        scope = active_scope()
         evicted = layer_idx < len(self.layers) and not self.layers[layer_idx].contiguous
-        if (evicted or self.recorder is not None or self.growth is not None) and not in_sieve_scope():
+        if (evicted or self.recorder is not None or self.growth is not None) and scope is None:
             raise RaggedAttentionError(
                 "this SievedCache was evicted (its kv-heads keep different entries), which only kvsieve's sieve "
                 "attention reads correctly: run the model under `with kvsieve.sieve_attention(model):`"
@@ -266,14 +282,13 @@ class SievedCache(Cache):
         if layer_idx == 0 and self.growth is not None:
             self.growth.before_append(self, key_states.shape[-2])
         keys, values = super().update(key_states, value_states, layer_idx, cache_kwargs)
-        if self.layers[layer_idx].is_sliding:  # plain tensors that transformers' sliding mask describes
+        layer = self.layers[layer_idx]
+        if scope is None or layer.is_sliding:  # sliding: plain tensors that transformers' sliding mask describes
             return keys, values
-        layout = self.layers[layer_idx].layout
-        layout.layer_idx, layout.recorder = layer_idx, self.recorder
-        layout.queries = None if self.growth is None else self.growth.queries
-        if self.growth is not None and self.growth.accumulates:
-            layout.tally = self.layers[layer_idx].segments
-        publish(keys, layout)
+        growth = self.growth
+        queries = None if growth is None else growth.queries
+        tally = layer.segments if growth is not None and growth.accumulates else None
+        scope.publish(keys, layer.layout(layer_idx, self.recorder, queries, tally))
         return keys, values
 
     @property

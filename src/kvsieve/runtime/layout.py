@@ -2,14 +2,13 @@
 
 `SievedLayer.update` returns plain `[rows, kv_heads, length, head_dim]` tensors, as every
 `transformers` cache does. When heads hold different entries, those tensors are padded and their
-columns are no longer cache positions, so attention needs each entry's cache position too. The
-layer publishes a `RaggedLayout` for the key tensor it returned; sieve attention claims it by that
-tensor. The table holds tensors weakly, and a layout holds no key or value tensor, so an entry
-disappears with its key tensor.
+columns are no longer cache positions, so attention needs each entry's cache position too.
+`transformers`' attention interface hands the attention function tensors only, so the cache
+publishes a `RaggedLayout` for the key tensor it returned in the active `SieveScope` (the block
+`kvsieve.sieve_attention` opened), and sieve attention looks it up there by that tensor.
 
-Only sieve attention reads an evicted layer correctly, so a layer refuses to hand one out unless
-the running code is inside a sieve-attention scope (`sieve_scope`, entered by
-`kvsieve.sieve_attention`).
+Only sieve attention reads an evicted layer correctly, so a layer refuses to hand one out
+outside a sieve-attention block.
 """
 
 from __future__ import annotations
@@ -81,31 +80,38 @@ class RaggedLayout:
     tally: AttentionTally | None = None
 
 
-_LAYOUTS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+class SieveScope:
+    """One `kvsieve.sieve_attention` block: the layouts cache layers published in it, by returned key tensor.
+
+    The table holds the tensors weakly and a layout holds none, so an entry goes with its key
+    tensor; the table goes with the block.
+    """
+
+    def __init__(self) -> None:
+        self.layouts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+    def publish(self, keys: torch.Tensor, layout: RaggedLayout) -> None:
+        """Attach `layout` to the key tensor a cache layer returned."""
+        self.layouts[keys] = layout
+
+    def layout_of(self, keys: torch.Tensor) -> RaggedLayout | None:
+        """The layout published for `keys`, or None for tensors of any other cache."""
+        return self.layouts.get(keys)
 
 
-def publish(keys: torch.Tensor, layout: RaggedLayout) -> None:
-    """Attach `layout` to the key tensor a cache layer returned."""
-    _LAYOUTS[keys] = layout
-
-
-def layout_of(keys: torch.Tensor) -> RaggedLayout | None:
-    """The layout published for `keys`, or None for tensors of any other cache."""
-    return _LAYOUTS.get(keys)
-
-
-_SIEVE_SCOPES: ContextVar[int] = ContextVar("kvsieve_sieve_scopes", default=0)
+_SCOPE: ContextVar[SieveScope | None] = ContextVar("kvsieve_sieve_scope", default=None)
 
 
 @contextmanager
-def sieve_scope() -> Iterator[None]:
-    """Mark the block as running on sieve attention."""
-    token = _SIEVE_SCOPES.set(_SIEVE_SCOPES.get() + 1)
+def sieve_scope() -> Iterator[SieveScope]:
+    """Mark the block as running on sieve attention; a block inside another shares the outer one's scope."""
+    token = _SCOPE.set(_SCOPE.get() or SieveScope())
     try:
-        yield
+        yield _SCOPE.get()
     finally:
-        _SIEVE_SCOPES.reset(token)
+        _SCOPE.reset(token)
 
 
-def in_sieve_scope() -> bool:
-    return _SIEVE_SCOPES.get() > 0
+def active_scope() -> SieveScope | None:
+    """The sieve-attention block the running code is in, or None outside every one."""
+    return _SCOPE.get()

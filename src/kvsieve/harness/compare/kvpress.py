@@ -40,6 +40,8 @@ from transformers.cache_utils import DynamicLayer
 from ...runtime.attention import attention_implementation
 from ...selection.budget import check_count, check_rate, evicted_count
 from ...selection.observation import DEFAULT_WINDOW
+from ...selection.protection import DEFAULT_N_RECENT, DEFAULT_N_SINK
+from ..eval.streams import CacheSize
 
 #: The presses this adapter runs, by kvsieve name.
 KVPRESS_PRESSES: tuple[str, ...] = (
@@ -292,12 +294,12 @@ def kvpress_compress(
     press: str,
     rate: float,
     *,
-    n_protected: int = 33,
+    n_protected: int = DEFAULT_N_SINK + DEFAULT_N_RECENT,
 ) -> PressedCache:
     """Prefill `context_ids` (`[1, n]`) under the kvpress press `press` at kvsieve's eviction `rate`.
 
     The ratio given to kvpress evicts the same number of entries per head as kvsieve's policies do
-    at `rate` with `n_protected` protected entries (1 sink + 32 recent by default; see
+    at `rate` with `n_protected` protected entries (kvsieve's sinks and recent tail by default; see
     `kvpress_ratio`). The model runs on SDPA (eager for `observed_attention`) during the prefill
     and gets its previous attention back afterwards.
     """
@@ -442,3 +444,8 @@ class PressStream:
         """Entries per (layer, kv-head) of one sequence, on average (kvpress keeps the same count in every head)."""
         lengths = [int(layer.keys.shape[-2]) for layer in self.cache.layers]
         return sum(lengths) / len(lengths) if lengths else 0.0
+
+    def size(self) -> CacheSize:
+        """What one sequence holds (every row holds the same)."""
+        rows = int(self.cache.layers[0].keys.shape[0])
+        return CacheSize(self.nbytes() // rows, self.allocated_nbytes() // rows, self.mean_stored())

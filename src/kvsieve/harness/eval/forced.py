@@ -27,6 +27,7 @@ from ...selection.policy import Policy
 from ...selection.protection import protected_mask
 from ...selection.scorers.base import Scorer
 from .methods import FROM_PREFILL, CacheBuilder, Case, KvsievePolicy
+from .streams import Stream
 
 Forcing = Literal["all", "evicted", "partial"]
 FORCINGS: tuple[str, ...] = ("all", "evicted", "partial")
@@ -122,6 +123,13 @@ class ForcedSlots:
     @property
     def needs(self) -> Needs:
         return self.policy.needs | self.swap_out.needs
+
+    @property
+    def protected(self) -> int:
+        return self.policy.n_sink + self.policy.n_recent
+
+    def stream(self, model: torch.nn.Module, budget: int | None, buffer: int, seed: int) -> Stream:
+        raise ValueError(f"{self.name}: forced slots need a case's evidence spans and do not run on streams")
 
     def eviction(self, case: Case, rate: float) -> ForcedEviction:
         base = KvsievePolicy(self.policy).eviction(case, rate)

@@ -10,7 +10,9 @@ its own business:
   rows of one cache (`FROM_PREFILL`: every eviction of the case's one observed prefill, "prefill
   once, sieve many") or one at a time (`PRESS`: kvpress compresses during its own prefill);
 - a `Compressed` carries its own decoding: the attention to run, and how many tokens one
-  forward may feed (kvpress's AdaKV), so `answer` and `continuation_nll` need nothing else.
+  forward may feed (kvpress's AdaKV), so `answer` and `continuation_nll` need nothing else;
+- a method opens its own `Stream` for streaming perplexity (`stream`): a document fed chunk by
+  chunk through a cache held at a size.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ import torch
 from transformers import Cache
 
 from ...runtime.attention import sieve_attention
+from ...runtime.cache import SievedCache
+from ...runtime.compress import bounded_cache_with
 from ...runtime.evictions import Eviction, evictions
 from ...runtime.prefill import Prefill, observe_prefill
+from ...selection.budget import MaxTokens
 from ...selection.observation import Needs
 from ...selection.policy import Policy
 from ...selection.protection import DEFAULT_N_RECENT, DEFAULT_N_SINK, question_protection
@@ -36,6 +41,7 @@ from ..data.sample import EncodedSample
 from .margins import Margin, margins
 from .respond import Response, continuation_nll, respond
 from .routing import survival_from_cache
+from .streams import SievedStream, Stream
 
 
 @dataclass
@@ -146,6 +152,18 @@ class CacheMethod(Protocol):
     @property
     def is_full(self) -> bool: ...
 
+    @property
+    def protected(self) -> int:
+        """Entries per (layer, kv-head) it never evicts at the start and end of a sequence (sinks, recent tail)."""
+        ...
+
+    def stream(self, model: torch.nn.Module, budget: int | None, buffer: int, seed: int) -> Stream:
+        """A cache to feed documents through, held at `budget` entries per (layer, kv-head) (the full cache: none).
+
+        `buffer` is the chunk every forward feeds; `seed` draws fresh randomness per batch of documents.
+        """
+        ...
+
 
 class Evicting(CacheMethod, Protocol):
     """A method that evicts from the case's shared prefill (`FROM_PREFILL`)."""
@@ -195,6 +213,7 @@ class FullCache:
     library: ClassVar[str] = "kvsieve"
     builder: ClassVar[CacheBuilder] = FROM_PREFILL
     is_full: ClassVar[bool] = True
+    protected: ClassVar[int] = 0
 
     @property
     def needs(self) -> Needs:
@@ -202,6 +221,9 @@ class FullCache:
 
     def eviction(self, case: Case, rate: float) -> Eviction:
         return Eviction(None)
+
+    def stream(self, model: torch.nn.Module, budget: int | None, buffer: int, seed: int) -> Stream:
+        return SievedStream(model, SievedCache())
 
 
 @dataclass(frozen=True)
@@ -221,6 +243,10 @@ class KvsievePolicy:
     def needs(self) -> Needs:
         return self.policy.needs
 
+    @property
+    def protected(self) -> int:
+        return self.policy.n_sink + self.policy.n_recent
+
     def protect(self, case: Case) -> torch.Tensor | None:
         """Positions no eviction of this case may touch (the question and the context's recent window)."""
         if not case.n_question:
@@ -229,6 +255,12 @@ class KvsievePolicy:
 
     def eviction(self, case: Case, rate: float) -> Eviction:
         return Eviction(reseeded(self.policy, case.index), rate, self.protect(case), case.spans)
+
+    def stream(self, model: torch.nn.Module, budget: int | None, buffer: int, seed: int) -> Stream:
+        if budget is None:
+            raise ValueError(f"{self.name} streams at a budget (max_tokens)")
+        policy = reseeded(self.policy, seed)
+        return SievedStream(model, bounded_cache_with(model, policy, MaxTokens(budget), buffer))
 
 
 @dataclass(frozen=True)
@@ -263,6 +295,7 @@ class KvpressPress:
     library: ClassVar[str] = "kvpress"
     builder: ClassVar[CacheBuilder] = PRESS
     is_full: ClassVar[bool] = False
+    protected: ClassVar[int] = 0  # kvpress's scorer presses protect nothing (tova: its scoring token)
 
     @property
     def name(self) -> str:
@@ -271,6 +304,13 @@ class KvpressPress:
     @property
     def needs(self) -> Needs:
         return Needs()
+
+    def stream(self, model: torch.nn.Module, budget: int | None, buffer: int, seed: int) -> Stream:
+        from ..compare.kvpress import PressStream
+
+        if budget is None:
+            raise ValueError(f"{self.name} streams at a budget (target_size)")
+        return PressStream(model, self.press, budget, buffer, seed)
 
 
 def build(model: torch.nn.Module, case: Case, todo: Sequence[Configuration]) -> Compressed:

@@ -33,7 +33,7 @@ from .stats import bootstrap_delta_ci, pooled_delta_pct, pooled_ppl
 #: Called after each (document, configuration) with (done, total).
 
 #: Configurations fed together as rows of one batch (one prefill, many evictions).
-ROWS_PER_PASS = 4
+PPL_ROWS_PER_PASS = 4
 
 
 @dataclass
@@ -98,7 +98,7 @@ def run_ppl(
     prefix: int = 1024,
     continuation: int = 512,
     *,
-    rows_per_pass: int = ROWS_PER_PASS,
+    rows_per_pass: int = PPL_ROWS_PER_PASS,
     reprefill: bool = False,
     progress: ProgressCallback | None = None,
 ) -> PplResult:

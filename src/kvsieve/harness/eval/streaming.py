@@ -21,28 +21,23 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedTokenizerBase
 
-from ...runtime.attention import sieve_attention
-from ...runtime.cache import SievedCache
-from ...runtime.compress import bounded_cache
 from ...runtime.growth import DEFAULT_BUFFER
 from ...selection.budget import check_count
-from ...selection.policy import Policy
 from ..data.essays import essay_texts
 from ..data.haystack import LINE_SEP, needle_units
 from ..progress import ProgressCallback
 from .contenders import parse_contenders
-from .methods import CacheMethod, KvpressPress, KvsievePolicy, reseeded
+from .methods import CacheMethod
 from .stats import bootstrap_delta_ci, bootstrap_ppl_ci, pooled_delta_pct, pooled_ppl
+from .streams import CacheSize, StreamTrace, run_stream
 
 #: The protocol's budgets: entries per (layer, kv-head) on average.
 STREAM_BUDGETS: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
@@ -53,12 +48,9 @@ DOC_TOKENS = 16384
 #: Width of the position buckets PPL is also reported in.
 BUCKET = 2048
 #: Documents fed together as rows of one batch.
-ROWS_PER_PASS = 2
+STREAM_ROWS_PER_PASS = 2
 #: Where documents come from: whole essays joined, or RULER's needle-only haystack (seeded per document).
 SOURCES: tuple[str, ...] = ("essays", "needles")
-
-#: A forward of one chunk `[rows, c]` whose first token sits at the given position -> logits `[rows, c, vocab]`.
-Forward = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 # ---------------------------------------------------------------- documents
@@ -123,125 +115,6 @@ def _haystack_ids(tokenizer: PreTrainedTokenizerBase, units: Callable[[int], lis
         if ids.shape[1] >= n_tokens:
             return ids[:, :n_tokens]
         count = math.ceil(count * 1.1 * n_tokens / ids.shape[1])
-
-
-# ---------------------------------------------------------------- feeding one batch through one cache
-
-
-@dataclass(frozen=True)
-class CacheSize:
-    """What a cache holds for one sequence: bytes of keys and values, storage allocated, entries per head."""
-
-    nbytes: int = 0
-    allocated: int = 0
-    entries: float = 0.0
-
-    def peak(self, other: CacheSize) -> CacheSize:
-        return CacheSize(
-            max(self.nbytes, other.nbytes), max(self.allocated, other.allocated), max(self.entries, other.entries)
-        )
-
-
-@dataclass
-class StreamTrace:
-    """One batch of documents fed through one cache.
-
-    Attributes:
-        nll: `[rows, T]`; `nll[:, p]` is the NLL of token `p` given the tokens before it (NaN where
-            nothing predicted it: position 0, and past what was fed).
-        peak: the most one sequence held after any forward (when a bounded cache is fullest).
-        seconds: wall time of the forwards, evictions included.
-        tokens: tokens fed, all rows together.
-    """
-
-    nll: np.ndarray
-    peak: CacheSize
-    seconds: float
-    tokens: int
-
-
-@torch.no_grad()
-def feed_stream(
-    ids: torch.Tensor,
-    forward: Forward,
-    measure: Callable[[], CacheSize],
-    chunk: int,
-    fed: int | None = None,
-    tick: Callable[[], None] | None = None,
-) -> StreamTrace:
-    """Feed the first `fed` tokens of `ids` (`[rows, T]`, all by default) `chunk` at a time, teacher forced.
-
-    Each chunk's logits score the tokens after it (the last one scores the first token of the next
-    chunk); `measure` runs after every forward, `tick` after every chunk.
-    """
-    rows, length = ids.shape
-    fed = length if fed is None else min(fed, length)
-    nll = np.full((rows, length), np.nan, dtype=np.float64)
-    peak, seconds = CacheSize(), 0.0
-    for start in range(0, fed, chunk):
-        end = min(start + chunk, fed)
-        tick_start = time.perf_counter()
-        logits = forward(ids[:, start:end], start)
-        seconds += time.perf_counter() - tick_start
-        targets = ids[:, start + 1 : end + 1]
-        scored = F.cross_entropy(
-            logits[:, : targets.shape[1]].float().transpose(1, 2), targets.to(logits.device), reduction="none"
-        )
-        nll[:, start + 1 : start + 1 + targets.shape[1]] = scored.double().cpu().numpy()
-        peak = peak.peak(measure())
-        if tick is not None:
-            tick()
-    return StreamTrace(nll, peak, seconds, rows * fed)
-
-
-def sieved_size(cache: SievedCache) -> CacheSize:
-    """The largest row of a `SievedCache` (allocated storage shared out evenly over the rows)."""
-    rows = range(cache.batch_size)
-    return CacheSize(
-        max(cache.row_nbytes(r) for r in rows),
-        cache.allocated_nbytes() // cache.batch_size,
-        max(cache.mean_stored(r) for r in rows),
-    )
-
-
-def sieved_trace(
-    model: torch.nn.Module,
-    ids: torch.Tensor,
-    policy: Policy | str | None,
-    budget: int | None,
-    buffer: int = DEFAULT_BUFFER,
-    fed: int | None = None,
-    tick: Callable[[], None] | None = None,
-) -> StreamTrace:
-    """Feed `ids` through a `bounded_cache` at `budget` (or, with `policy=None`, a full `SievedCache`)."""
-    cache = SievedCache() if policy is None else bounded_cache(model, policy, max_tokens=budget, buffer=buffer)
-
-    def forward(chunk: torch.Tensor, start: int) -> torch.Tensor:
-        return model(input_ids=chunk, past_key_values=cache, use_cache=True).logits
-
-    with sieve_attention(model):
-        return feed_stream(ids, forward, lambda: sieved_size(cache), buffer, fed, tick)
-
-
-def press_trace(
-    model: torch.nn.Module,
-    ids: torch.Tensor,
-    press: str,
-    budget: int,
-    buffer: int = DEFAULT_BUFFER,
-    seed: int = 0,
-    tick: Callable[[], None] | None = None,
-) -> StreamTrace:
-    """Feed `ids` through kvpress's `DecodingPress` around `press`, compressing to `budget` after every forward."""
-    from ..compare.kvpress import PressStream
-
-    stream, rows = PressStream(model, press, budget, buffer, seed), ids.shape[0]
-
-    def measure() -> CacheSize:
-        return CacheSize(stream.nbytes() // rows, stream.allocated_nbytes() // rows, stream.mean_stored())
-
-    with stream.running():
-        return feed_stream(ids, stream.forward, measure, buffer, None, tick)
 
 
 # ---------------------------------------------------------------- results
@@ -400,44 +273,36 @@ def _check_budgets(budgets: Sequence[int]) -> list[int]:
     return sorted(budgets)
 
 
-@torch.no_grad()
+def stream_trace(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    method: CacheMethod,
+    budget: int | None,
+    buffer: int = DEFAULT_BUFFER,
+    fed: int | None = None,
+    seed: int = 0,
+    tick: Callable[[], None] | None = None,
+) -> StreamTrace:
+    """Feed the first `fed` tokens of `ids` (all by default) through `method`'s stream at `budget`, `buffer` a chunk."""
+    return run_stream(ids, method.stream(model, budget, buffer, seed), buffer, fed, tick)
+
+
 def _preflight(
     model: torch.nn.Module, contenders: Sequence[CacheMethod], budget: int, buffer: int, ids: torch.Tensor
 ) -> None:
-    """Fail in seconds, not hours: build every press and evict once with every policy at the smallest budget.
+    """Fail in seconds, not hours: stream the start of the first document through every method at `budget`.
 
-    A budget below a policy's protected entries raises the core's `PolicyError` here.
+    Two forwards: one that holds every protected entry, and one `buffer` chunk that makes a bounded
+    cache evict. A budget below a policy's protected entries raises the core's `PolicyError` here,
+    a press that kvpress cannot run, kvpress's error.
     """
-    from ..compare.kvpress import make_decoding_press
-
-    for contender in contenders:
-        if isinstance(contender, KvpressPress):
-            make_decoding_press(contender.press, budget, buffer)
-        elif isinstance(contender, KvsievePolicy):
-            protected = contender.policy.n_sink + contender.policy.n_recent
-            probe = ids[:1, : max(budget, protected) + buffer + 1]  # holds every protected entry when evicting
-            cache = bounded_cache(model, contender.policy, max_tokens=budget, buffer=buffer)
-            with sieve_attention(model):
-                for chunk in (probe[:, :-1], probe[:, -1:]):  # the second forward evicts
-                    model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
-
-
-def _trace(
-    model: torch.nn.Module,
-    ids: torch.Tensor,
-    contender: CacheMethod,
-    budget: int | None,
-    buffer: int,
-    context_limit: int,
-    first_doc: int,
-    tick: Callable[[], None],
-) -> StreamTrace:
-    if isinstance(contender, KvpressPress):
-        return press_trace(model, ids, contender.press, budget, buffer, seed=first_doc, tick=tick)
-    if not isinstance(contender, KvsievePolicy):
-        return sieved_trace(model, ids, None, None, buffer, fed=context_limit, tick=tick)
-    policy = reseeded(contender.policy, first_doc)  # seeded scorers draw afresh per batch
-    return sieved_trace(model, ids, policy, budget, buffer, tick=tick)
+    for method in (m for m in contenders if not m.is_full):
+        first = max(budget, method.protected) + buffer
+        stream = method.stream(model, budget, buffer, seed=0)
+        with stream.running():
+            for start, end in ((0, first), (first, first + buffer)):
+                if start < ids.shape[1]:  # documents shorter than the probe are fed whole
+                    stream.forward(ids[:1, start:end], start)
 
 
 @dataclass(frozen=True)
@@ -474,9 +339,10 @@ class StreamPlan:
         result = StreamResult(self.doc_names, self.ids.shape[1], self.buffer, self.bucket, self.context_limit)
         for contender, budget in self.configurations:
             run = StreamRun(contender.name, contender.library, budget)
+            fed = self.context_limit if contender.is_full else None  # the full cache: as far as positions go
             for rows in self.batches:
                 ids = self.ids[rows.start : rows.stop]
-                run.add(_trace(model, ids, contender, budget, self.buffer, self.context_limit, rows.start, tick))
+                run.add(stream_trace(model, ids, contender, budget, self.buffer, fed, rows.start, tick))
             result.runs.append(run)
         return result
 
@@ -490,7 +356,7 @@ def plan_streaming(
     buffer: int = DEFAULT_BUFFER,
     bucket: int = BUCKET,
     press_budgets: Sequence[int] | None = None,
-    rows_per_pass: int = ROWS_PER_PASS,
+    rows_per_pass: int = STREAM_ROWS_PER_PASS,
 ) -> StreamPlan:
     """Check a streaming run before it starts (a `ValueError`, or the core's `PolicyError`, names the problem).
 
@@ -505,9 +371,10 @@ def plan_streaming(
     press_budgets = budgets if press_budgets is None else _check_budgets(press_budgets)
     ids = _check_documents(documents, max(budgets + press_budgets))
     _preflight(model, contenders, min(budgets + press_budgets), buffer, ids)
-    configurations: list[tuple[CacheMethod, int | None]] = [(contenders[0], None)]
-    for contender in contenders[1:]:
-        configurations += [(contender, b) for b in (press_budgets if isinstance(contender, KvpressPress) else budgets)]
+    by_library = {"kvpress": press_budgets}
+    configurations: list[tuple[CacheMethod, int | None]] = [(m, None) for m in contenders if m.is_full]
+    for method in (m for m in contenders if not m.is_full):
+        configurations += [(method, b) for b in by_library.get(method.library, budgets)]
     limit = min(ids.shape[1], model.config.max_position_embeddings)
     return StreamPlan([name for name, _ in documents], ids, configurations, buffer, bucket, rows_per_pass, limit)
 
@@ -521,7 +388,7 @@ def run_streaming(
     buffer: int = DEFAULT_BUFFER,
     bucket: int = BUCKET,
     press_budgets: Sequence[int] | None = None,
-    rows_per_pass: int = ROWS_PER_PASS,
+    rows_per_pass: int = STREAM_ROWS_PER_PASS,
     progress: ProgressCallback | None = None,
 ) -> StreamResult:
     """Run the streaming perplexity protocol: the full cache, then every (policy, budget), on the same documents.

@@ -44,7 +44,7 @@ MODES = ("agnostic", "aware")
 #: Called after each configuration with (done, total).
 
 #: kvsieve configurations of a sample answered together as one batch (one prefill, many evictions).
-ROWS_PER_PASS = 16
+SWEEP_ROWS_PER_PASS = 16
 
 
 def check_modes(modes: Sequence[str]) -> list[str]:
@@ -208,7 +208,7 @@ def run_sweep(
     chat: bool | None = None,
     diagnostics: bool = True,
     reprefill: bool = False,
-    rows_per_pass: int = ROWS_PER_PASS,
+    rows_per_pass: int = SWEEP_ROWS_PER_PASS,
     progress: ProgressCallback | None = None,
 ) -> pd.DataFrame:
     """Run every (contender, rate) on every sample in every mode; one row each (see module doc).

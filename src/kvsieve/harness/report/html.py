@@ -10,6 +10,7 @@ from typing import Any
 
 import pandas as pd
 
+from ...selection.protection import DEFAULT_N_RECENT, DEFAULT_N_SINK
 from ..eval.analysis import accuracy_by_rate, cliff, consensus_by_depth, hallucination_vs_ger, library_side_by_side
 from ..eval.results_log import read_rows
 from .figures import plot_accuracy_vs_rate, plot_consensus_by_depth, plot_hallucination_vs_ger
@@ -80,7 +81,8 @@ def write_report(folder: str | Path) -> Path:
     parts.append(
         f'<p class="note">{len(rows)} rows, {rows["sample"].nunique()} samples, tasks: '
         f"{html.escape(', '.join(dict.fromkeys(rows['task'])))}. Rate = evicted share of the evictable entries "
-        "(first token and the last 32 of the compressed prompt protected); kvpress ratios are converted to evict "
+        f"(the first {DEFAULT_N_SINK} and the last {DEFAULT_N_RECENT} tokens of the compressed prompt protected); "
+        "kvpress ratios are converted to evict "
         "the same number of entries. Accuracy = every expected string in the answer (RULER string match, "
         "case-insensitive).</p>"
     )

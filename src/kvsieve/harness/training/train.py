@@ -18,9 +18,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ...selection.checkpoint import TrainRecord, model_fingerprint, save_gates
-from ..progress import progress_bar
 from ...selection.gates import DEFAULT_BIAS_INIT, DEFAULT_WIDTH, RetentionGates, gate_shape
 from ...selection.rotary import find_rotary
+from ..progress import progress_bar
 from .data import TrainingData, training_data
 from .losses import SCOPES, capacity_loss, forward_kl, next_token_loss
 from .retention import RetentionTape, soft_retention
