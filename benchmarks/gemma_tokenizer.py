@@ -2,7 +2,7 @@
 
 The same dequantized model scores the first `--tokens` tokens of `--docs` essays, tokenized by
 `transformers`' GGUF converter (a Unigram model of the vocabulary, no BOS) and by the tokenizer
-kvsieve rebuilds from the GGUF (`kvsieve.gemma.gguf_spm_tokenizer`: SentencePiece BPE, BOS first),
+kvsieve rebuilds from the GGUF (`kvsieve.harness.gemma.gguf_spm_tokenizer`: SentencePiece BPE, BOS first),
 each with and without BOS in front. Perplexity is per token, so it is comparable only within one
 tokenizer; bits per character compare them all.
 

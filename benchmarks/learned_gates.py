@@ -1,7 +1,7 @@
 """Learned retention gates (trimkv) against the best heuristics, at equal bytes held, and against the full cache.
 
 Every stage uses the gates kvsieve ships for the default model (`make gates` retrains them) and
-only what the gates never saw in training: held-back essays (`kvsieve.data.essay_split`) and task
+only what the gates never saw in training: held-back essays (`kvsieve.harness.data.essay_split`) and task
 samples of the evaluation seed.
 
 - ``ppl``: the perplexity protocol (DESIGN §4) on held-back essays (6 of the 12 have the 1,537 tokens

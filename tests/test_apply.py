@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import kvsieve
@@ -105,3 +106,36 @@ def test_apply_compresses_every_row_of_a_padded_batch(model, ids):
     assert torch.equal(out[0], alone[0][0])
     assert torch.equal(out[1, -GEN["max_new_tokens"] :], alone[1][0, -GEN["max_new_tokens"] :])
     assert lengths[1] == alone_lengths[0] and lengths[0] != lengths[1]
+
+
+@torch.no_grad()
+def test_generate_and_apply_share_one_rule_for_prompts_too_short_to_evict(model, ids):
+    """Under a rate, a prompt with nothing evictable runs on the model's own cache in both entry points.
+
+    Both pass generate an explicit mask (every prompt token real; token 0 is also the pad token here).
+    """
+    short, config = ids[:, :30], kvsieve.EvictionConfig(rate=0.5)
+    plain = model.generate(short, attention_mask=torch.ones_like(short), **GEN)
+    assert torch.equal(kvsieve.generate(model, short, "importance", 0.5, **GEN), plain)
+    with kvsieve.apply(model, config) as handle:
+        assert torch.equal(model.generate(short, **GEN), plain) and handle.last_cache is None
+        # question-aware: the context is what is evicted; a long question does not make a short context evictable
+        context, question = ids[:, :20], ids[:, 20:60]
+        prompt = torch.cat([context, question], -1)
+        joined = model.__class__.generate(model, prompt, attention_mask=torch.ones_like(prompt), **GEN)
+        assert torch.equal(model.generate(context, question_ids=question, **GEN), joined)
+        assert handle.last_cache is None
+        with pytest.raises(kvsieve.PolicyError, match="beam search cannot run on a compressed cache"):
+            model.generate(ids, num_beams=2, max_new_tokens=2, pad_token_id=0)
+    assert torch.equal(kvsieve.generate(model, context, "importance", 0.5, question_ids=question, **GEN), joined)
+    one_longer = ids[:, : 1 + 1 + 32 + 1]  # n_sink + n_recent + one evictable, then the token generate feeds
+    assert kvsieve.generate(model, one_longer, "importance", 0.5, **GEN).shape[1] == one_longer.shape[1] + 6
+
+
+@torch.no_grad()
+def test_a_one_token_prompt_under_a_size_starts_from_an_empty_bounded_cache(model, ids):
+    gen = {"max_new_tokens": 60, "min_new_tokens": 60, "do_sample": False, "pad_token_id": 0}
+    with kvsieve.apply(model, kvsieve.EvictionConfig(policy="knorm", max_tokens=40, buffer=8)) as handle:
+        out = model.generate(ids[:, :1], **gen)
+        cache = handle.last_cache
+    assert out.shape[1] == 61 and cache.get_seq_length() == 60 and cache.mean_stored() <= 40 + 8

@@ -60,7 +60,7 @@ def _quiet_transformers() -> Iterator[None]:
 
 
 def _gguf_tokenizer(path: Path, model: PreTrainedModel) -> PreTrainedTokenizerBase:
-    """The tokenizer of a GGUF; Gemma-3's is rebuilt from its vocabulary (`kvsieve.gemma`), the converter's is not."""
+    """The tokenizer of a GGUF; Gemma-3's is rebuilt from its vocabulary (`harness.gemma`), not converted."""
     if model.config.model_type == "gemma3_text":
         return gguf_spm_tokenizer(path)
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

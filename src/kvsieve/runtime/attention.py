@@ -5,7 +5,7 @@ the first time a model is switched to it. For tensors of any other cache, and fo
 from which nothing was evicted, it *is* the model's SDPA attention. For an evicted cache it reads
 the layer's `RaggedLayout` to see which cache position each padded column holds, builds the
 visibility of every column to every query from it (and from the attention mask `transformers`
-built over the logical sequence), and runs one kernel call per layer (`kvsieve.kernels`): a
+built over the logical sequence), and runs one kernel call per layer (`kvsieve.runtime.kernels`): a
 masked SDPA, or on CUDA in half precision, for decoding steps, torch's fused varlen kernel.
 
 Switching is scoped: `with sieve_attention(model): ...` restores the model's own attention on exit.
@@ -141,7 +141,7 @@ def sieve_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
     Raises `UnhookableModelError` for models whose attention does not go through the
     `transformers` attention interface or that use layers sieve attention cannot serve
-    (`kvsieve.sliding.layer_windows`: full-attention and sliding-window layers are served).
+    (`kvsieve.selection.architecture.layer_windows`: full-attention and sliding-window layers are served).
     """
     check_model(model)
     layer_windows(model)

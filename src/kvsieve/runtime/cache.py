@@ -1,9 +1,9 @@
 """SievedCache: a `transformers.Cache` whose entries are stored per (sequence, layer, kv-head).
 
 Every kv-head of every full-attention layer of every sequence keeps its own entries
-(`kvsieve.segments`), so heads, layers and sequences may keep different numbers of entries and
+(`kvsieve.runtime.segments`), so heads, layers and sequences may keep different numbers of entries and
 evicted entries are really freed. Sliding-window layers keep `transformers`' own rolling window
-(`kvsieve.sliding.SlidingLayer`): no policy evicts them, they are copied and counted as they are.
+(`kvsieve.runtime.sliding.SlidingLayer`): no policy evicts them, they are copied and counted as they are.
 Each entry remembers its cache position; the logical length (tokens seen) is kept apart from the
 stored length, so `model.generate()` and plain forwards place new tokens at their true positions.
 
@@ -36,7 +36,7 @@ KeepIndices = Sequence[Sequence[Sequence[torch.Tensor]]]
 
 
 class Growth(Protocol):
-    """Bounds a cache while it grows (see `kvsieve.growth.BoundedGrowth`).
+    """Bounds a cache while it grows (see `kvsieve.runtime.growth.BoundedGrowth`).
 
     `queries` logs the recent queries its scorer reads; `accumulates` says whether its scorer reads
     the attention every entry received, which the cache then sums online.

@@ -18,8 +18,8 @@ from .prefill import Prefill
 
 @dataclass(frozen=True)
 class Eviction:
-    """One eviction of a prefill: a policy (None: keep everything), a budget (a rate, or `kvsieve.budget`'s
-    `MaxTokens` / `MaxBytes`), positions never to evict and the sequence's spans (`[n_tokens]`, a span id
+    """One eviction of a prefill: a policy (None: keep everything), a budget (a rate, or `kvsieve.MaxTokens` /
+    `kvsieve.MaxBytes`), positions never to evict and the sequence's spans (`[n_tokens]`, a span id
     per token position, for ``projection=sentence``; see `Policy.select`)."""
 
     policy: str | Policy | None

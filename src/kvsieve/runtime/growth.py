@@ -96,7 +96,7 @@ class BoundedGrowth:
         policy: scores and allocates, as for the prefill.
         budget: the size (`MaxTokens` or `MaxBytes`) of every sequence.
         buffer: entries per (layer, kv-head) the cache grows past the budget before it is evicted.
-        layers: each layer's `Statistics` (`kvsieve.observe.layer_statistics`).
+        layers: each layer's `Statistics` (`kvsieve.runtime.statistics.layer_statistics`).
         queries: the recent queries the policy's scorer reads (None if it reads none).
         rotary: the model's rotary embedding, if the scorer reads it.
         protect: cache positions never evicted (a question), besides the policy's sinks and window.

@@ -26,7 +26,7 @@ from .segments import Slots
 
 
 class Recorder(Protocol):
-    """Receives what an observed prefill's attention saw, layer by layer (see `kvsieve.observe`)."""
+    """Receives what an observed prefill's attention saw, layer by layer (see `kvsieve.runtime.prefill`)."""
 
     accumulate: bool
     query_weight: torch.Tensor | None
@@ -42,7 +42,7 @@ class Recorder(Protocol):
 
 
 class QueryLog(Protocol):
-    """Receives every decoding forward's queries, layer by layer (see `kvsieve.growth.RecentQueries`)."""
+    """Receives every decoding forward's queries, layer by layer (see `kvsieve.runtime.growth.RecentQueries`)."""
 
     def append(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor) -> None: ...
 

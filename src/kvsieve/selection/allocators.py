@@ -1,6 +1,6 @@
 """Allocators: turn scores and a budget's uniform shares into keep counts per (layer, kv-head) of one sequence.
 
-A budget (`kvsieve.budget`) gives every head its uniform share; every allocator keeps the sum of
+A budget (`kvsieve.selection.budget`) gives every head its uniform share; every allocator keeps the sum of
 the shares and differs only in where the entries go. Counts are of evictable entries
 (`evictable [kv_heads, n]` per layer: existing and not protected); protected entries are kept on
 top of them.

@@ -2,7 +2,7 @@
 
 A budget turns the entries a sequence holds into every (layer, kv-head)'s *uniform share*: how
 many of its evictable entries it keeps under a uniform split. Allocators then move shares between
-heads and layers (`kvsieve.allocators`), always keeping their sum, so every allocator holds the
+heads and layers (`kvsieve.selection.allocators`), always keeping their sum, so every allocator holds the
 same bytes under the same budget.
 
 - `Rate(r)`: evict the fraction `r` of each head's evictable entries (round half up).

@@ -36,7 +36,7 @@ class Needs:
             (costs a materialised softmax instead of fused SDPA during the prefill).
         output_projection: whether it reads the attention output projection `W_o`.
         rotary: whether it reads the model's rotary embedding.
-        gates: the retention-gate checkpoints it reads (`kvsieve.learn.checkpoint.load_gates` sources).
+        gates: the retention-gate checkpoints it reads (`kvsieve.selection.checkpoint.load_gates` sources).
     """
 
     window: int = 0

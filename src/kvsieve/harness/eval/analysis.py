@@ -7,7 +7,7 @@ gold_logprob, gold_rank, kv_bytes, seconds, ger_layer, ger_model, recall_mean, c
 agreement_mean, consensus_by_layer`. The full cache is the policy ``"full"`` at rate 0.
 
 Accuracy is the share of correct samples in [0, 1]; `score` is the 0-100 string-match score.
-GER and consensus follow arXiv 2603.01426 (see `kvsieve.eval.routing`).
+GER and consensus follow arXiv 2603.01426 (see `kvsieve.harness.eval.routing`).
 """
 
 from __future__ import annotations

@@ -248,7 +248,7 @@ class KvsievePolicy:
         return self.policy.n_sink + self.policy.n_recent
 
     def protect(self, case: Case) -> torch.Tensor | None:
-        """Positions no eviction of this case may touch (the question and the context's recent window)."""
+        """Positions no eviction of this case may touch (the question and the context's recent tail)."""
         if not case.n_question:
             return None
         return question_protection(case.n_context, case.n_question, self.policy.n_recent)
@@ -289,7 +289,7 @@ PRESS = PressCompression()
 
 @dataclass(frozen=True)
 class KvpressPress:
-    """An NVIDIA kvpress press (`kvsieve.compare.kvpress`), named ``kvpress:<press>``."""
+    """An NVIDIA kvpress press (`kvsieve.harness.compare.kvpress`), named ``kvpress:<press>``."""
 
     press: str
     library: ClassVar[str] = "kvpress"

@@ -82,7 +82,7 @@ class PplResult:
             "tokens": int(self.tokens.sum()),
             "prefix": self.prefix,
             "continuation": self.continuation,
-            "rate_counts": "evicted fraction of evictable entries (sinks and recent window protected)",
+            "rate_counts": "evicted fraction of evictable entries (sinks and recent tail protected)",
             "full_kv_bytes": int(np.mean(self.kv_bytes_full)),
             "documents": self.doc_names,
             "seconds": self.seconds,

@@ -14,7 +14,7 @@ The full cache (nothing evicted) is fed only while the document fits the model's
 limit their queries use RoPE positions the model was not trained on; the buckets show the cost.
 
 `kvpress:<press>` contenders run the same feeding through kvpress's `DecodingPress`
-(`kvsieve.compare.kvpress.PressStream`), at the same budgets and chunk.
+(`kvsieve.harness.compare.kvpress.PressStream`), at the same budgets and chunk.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Figures of the routing diagnostics and the sweep analysis (matplotlib figures, written as PNG).
 
 Each function takes the data, a path and an optional title, writes a PNG and returns its path.
-The tables come from `kvsieve.eval.analysis`; GER and consensus follow arXiv 2603.01426.
+The tables come from `kvsieve.harness.eval.analysis`; GER and consensus follow arXiv 2603.01426.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Training sequences for retention gates: windows of the training essays and task samples with their answers.
 
-Essays are split by document (`kvsieve.data.essay_split`): only the training ones are read here, and
+Essays are split by document (`kvsieve.harness.data.essay_split`): only the training ones are read here, and
 the perplexity of learned policies is measured on the held-back ones. Task samples (RULER-style and
 routing families) come from `TRAINING_TASK_SEED`, far from every evaluation seed, and are fed with
 their question and gold answer after the context, so the distillation loss sees what evidence a

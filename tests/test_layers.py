@@ -1,0 +1,108 @@
+"""The three layers: selection imports neither runtime nor harness, runtime never the harness, and
+`import kvsieve` loads no harness module and none of the harness's heavy dependencies."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvsieve
+
+PACKAGE = Path(kvsieve.__file__).parent
+#: Each layer and the kvsieve layers it may import.
+ALLOWED = {
+    "selection": {"selection"},
+    "runtime": {"selection", "runtime"},
+    "harness": {"selection", "runtime", "harness"},
+}
+#: Loaded by the harness only: a user's `import kvsieve` must not load them.
+HEAVY = ("rich", "pandas", "matplotlib", "gguf", "typer", "wonderwords")
+
+
+def _kvsieve_imports(path: Path, type_checking: bool = True) -> set[str]:
+    """Absolute names of the kvsieve modules a file imports anywhere (functions included).
+
+    `type_checking=False` leaves out imports under `if TYPE_CHECKING:`.
+    """
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    package = package.removesuffix(".__init__")
+    tree = ast.parse(path.read_text())
+    skipped = set()
+    if not type_checking:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+                skipped |= {id(child) for child in ast.walk(node)}
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                names.add(".".join(base + ([node.module] if node.module else [])))
+            elif node.module:
+                names.add(node.module)
+    return {name for name in names if name.split(".")[0] == "kvsieve"}
+
+
+def _layer(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ALLOWED else None
+
+
+@pytest.mark.parametrize("layer", ALLOWED)
+def test_each_layer_imports_only_itself_and_the_layers_below(layer):
+    wrong = {
+        f"{path.relative_to(PACKAGE)} imports {name}"
+        for path in (PACKAGE / layer).rglob("*.py")
+        for name in _kvsieve_imports(path)
+        if _layer(name) not in ALLOWED[layer]
+    }
+    assert not wrong, sorted(wrong)
+
+
+def test_the_package_root_imports_the_harness_only_lazily():
+    eager = _kvsieve_imports(PACKAGE / "__init__.py", type_checking=False)
+    assert eager and all(_layer(name) in ("selection", "runtime") for name in eager), sorted(eager)
+
+
+def test_importing_kvsieve_loads_no_harness_module_nor_its_dependencies():
+    """In a fresh interpreter, after torch and transformers: what `import kvsieve` adds, and that load_model is lazy.
+
+    Measured against what transformers loads itself (its `huggingface_hub` -> `httpx` imports rich when rich is
+    installed, as the harness's CLI makes it), so the test reads what kvsieve adds.
+    """
+    script = f"""
+import json, sys, time
+import torch, transformers
+before = set(sys.modules)
+start = time.perf_counter()
+import kvsieve
+seconds = time.perf_counter() - start
+added = set(sys.modules) - before
+heavy = sorted({{m.split(".")[0] for m in added}} & set({HEAVY!r}))
+harness = sorted(m for m in added if m.startswith("kvsieve.harness"))
+loader = kvsieve.load_model.__module__
+print(json.dumps({{"heavy": heavy, "harness": harness, "seconds": seconds, "loader": loader}}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["harness"] == [] and report["heavy"] == [], report
+    assert report["loader"] == "kvsieve.harness.models", "kvsieve.load_model resolves to the harness's loader"
+
+
+def test_the_command_line_runs_as_a_module():
+    for module in ("kvsieve", "kvsieve.harness.cli"):
+        done = subprocess.run(
+            [sys.executable, "-m", module, "train-gates", "--help"], capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0 and "--capacity" in done.stdout, (module, done.stderr[-2000:])
