@@ -31,9 +31,12 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvsieve
 from kvsieve.harness.data import long_context
+from kvsieve.harness.report import markdown_table
 
 RESULTS = Path(__file__).parent / "results"
 MIB = 1 << 20
+#: The samples the Markdown table shows (every sample when none of these was taken).
+TABLE_STEPS = (500, 1000, 2000, 4000, 6000, 8000)
 
 
 def rss_mib() -> float:
@@ -149,6 +152,29 @@ def samples_table(policy: str, rows: list[dict]) -> Table:
     return table
 
 
+def markdown(report: dict) -> str:
+    """The report as a Markdown table: step times, bytes and RSS of the bounded caches and the unbounded one."""
+    policies = report["policies"]
+    runs = {p: {r["step"]: r for r in report["default_model"][p]["rows"]} for p in policies}
+    steps = [s for s in runs[policies[0]] if s in TABLE_STEPS] or list(runs[policies[0]])
+    ratios = list(dict.fromkeys((policies[0], policies[-1])))
+    header = [
+        "step", *(f"{p} ms" for p in policies), "unbounded ms", *(f"{p} / unbounded" for p in ratios),
+        "bounded KV MiB (allocated)", "unbounded KV MiB", "process RSS MiB",
+    ]  # fmt: skip
+    body = []
+    for step in steps:
+        first = runs[policies[0]][step]
+        held, unbounded = first["bounded"], first["unbounded"]
+        body.append(
+            [str(step), *(f"{runs[p][step]['bounded']['step_ms']:.1f}" for p in policies),
+             f"{unbounded['step_ms']:.1f}", *(f"{runs[p][step]['time_ratio']:.2f}" for p in ratios),
+             f"{held['kv_mib']:.2f} ({held['allocated_mib']:.2f})", f"{unbounded['kv_mib']:.2f}",
+             f"{held['rss_mib']:.0f}"]
+        )  # fmt: skip
+    return markdown_table(header, body) + "\n"
+
+
 @torch.no_grad()
 def soak(args: argparse.Namespace, console: Console) -> dict:
     torch.manual_seed(0)
@@ -207,6 +233,7 @@ def main() -> None:
     report["soak"] = soak(args, console)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "bounded_generation.json").write_text(json.dumps(report, indent=2))
+    (RESULTS / "bounded_generation.md").write_text(markdown(report))
     console.print(f"wrote {RESULTS / 'bounded_generation.json'}")
 
 

@@ -26,6 +26,7 @@ from rich.table import Table
 import kvsieve
 from kvsieve.harness.data import long_context
 from kvsieve.harness.eval.respond import continuation_nll
+from kvsieve.harness.report import markdown_table
 
 RESULTS = Path(__file__).parent / "results"
 CONTINUATION = 512
@@ -64,6 +65,21 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, feed: torch.Tensor, args:
         "ppl": math.exp(nll / CONTINUATION),
         "kv_mib": kv_mib,
     }
+
+
+def markdown(report: dict) -> str:
+    """The report as a Markdown table: peak entries, bytes, prefill time and PPL, one-shot against chunked."""
+    header = ["prefill", "peak entries per head", "budget + chunk", "KV MiB after"]
+    header += [f"prefill s (median of {report['repeats']})", "vs one-shot", f"PPL of the next {report['continuation']}"]
+    body = []
+    for r in report["rows"]:
+        one_shot = r["chunk"] is None
+        body.append(
+            ["one-shot" if one_shot else f"chunks of {r['chunk']}", f"{r['peak_entries_per_head']:.0f}",
+             str(report["prompt"] if one_shot else report["max_tokens"] + r["chunk"]), f"{r['kv_mib']:.1f}",
+             f"{r['prefill_s']:.2f}", f"{r['time_vs_one_shot']:.2f}", f"{r['ppl']:.2f}"]
+        )  # fmt: skip
+    return markdown_table(header, body) + "\n"
 
 
 def main() -> None:
@@ -109,6 +125,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     report = {**vars(args), "continuation": CONTINUATION, "full_cache_ppl": full_ppl, "rows": rows}
     (RESULTS / "chunked_prefill.json").write_text(json.dumps(report, indent=2))
+    (RESULTS / "chunked_prefill.md").write_text(markdown(report))
     print(f"wrote {RESULTS / 'chunked_prefill.json'}")
 
 

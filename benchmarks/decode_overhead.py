@@ -26,6 +26,7 @@ from rich.table import Table
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvsieve
+from kvsieve.harness.report import markdown_table
 from kvsieve.runtime.attention import attention_implementation
 from kvsieve.runtime.prefill import Prefill
 
@@ -58,8 +59,8 @@ def dense_copy(prefill: Prefill) -> DynamicCache:
 
 
 def compressed(prefill: Prefill, allocator: str, rate: float) -> kvsieve.SievedCache:
-    policy = kvsieve.make_policy("snapkv", budget=allocator)
-    keep = [prefill.stored(row, policy.keep_indices(obs, rate)) for row, obs in enumerate(prefill.observations)]
+    policy = kvsieve.make_policy("snapkv", allocator=allocator)
+    keep = [prefill.stored(row, policy.select(obs, rate)) for row, obs in enumerate(prefill.observations)]
     return prefill.cache.keep(keep)
 
 
@@ -107,6 +108,17 @@ def measure(model: LlamaForCausalLM, context: int, batch: int, args: argparse.Na
         }
         for name in caches
     ]
+
+
+def markdown(report: dict) -> str:
+    """The report as a Markdown table: step time per context, batch and cache, and its ratio to the full cache."""
+    header = ["context", "batch", "cache", "KV MiB", f"step ms (median of {report['steps']})", "ratio vs full"]
+    body = [
+        [str(r["context"]), str(r["batch"]), r["cache"], f"{r['kv_mib']:.2f}", f"{r['step_ms']:.2f}",
+         f"{r['ratio_vs_full']:.3f}"]
+        for r in report["rows"]
+    ]  # fmt: skip
+    return markdown_table(header, body) + "\n"
 
 
 def main() -> None:
@@ -160,6 +172,7 @@ def main() -> None:
     suffix = "" if args.device == "cpu" else f"_{args.device.split(':')[0]}"
     path = Path(args.out) if args.out else RESULTS / f"decode_overhead{suffix}.json"
     path.write_text(json.dumps({**meta, "rows": rows}, indent=2))
+    path.with_suffix(".md").write_text(markdown({**meta, "rows": rows}))
     console.print(f"wrote {path}")
 
 

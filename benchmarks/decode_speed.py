@@ -28,6 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from kvsieve import SievedCache, load_model, make_policy, observe_prefill, sieve_attention
 from kvsieve.harness.data import long_context
+from kvsieve.harness.report import markdown_table
 from kvsieve.runtime.attention import attention_implementation
 
 RESULTS = Path(__file__).parent / "results"
@@ -50,6 +51,18 @@ def dynamic_nbytes(cache: DynamicCache) -> int:
 def synchronize(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def markdown(report: dict) -> str:
+    """The report as a Markdown table: step time per context and cache, next to the bytes bound."""
+    header = ["context", "cache", "KV MiB", f"step ms (median of {report['steps']})", "ratio vs full"]
+    header += ["bytes bound", "ratio / bound"]
+    body = [
+        [str(r["context"]), r["cache"], f"{r['kv_mib']:.1f}", f"{r['step_ms']:.1f}", f"{r['ratio_vs_full']:.3f}",
+         f"{r['bytes_bound']:.3f}", f"{r['ratio_over_bound']:.2f}"]
+        for r in report["rows"]
+    ]  # fmt: skip
+    return markdown_table(header, body) + "\n"
 
 
 @torch.no_grad()
@@ -91,12 +104,12 @@ def main() -> None:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = []
     for length in lengths:
-        policies = {allocator: make_policy(args.scorer, budget=allocator) for allocator in ALLOCATORS}
+        policies = {allocator: make_policy(args.scorer, allocator=allocator) for allocator in ALLOCATORS}
         needs = functools.reduce(operator.or_, (p.needs for p in policies.values()))
         prefill = observe_prefill(model, ids[:, :length], needs)
         caches: dict[str, object] = {"full": dynamic_cache_from(prefill.cache)}
         for allocator, policy in policies.items():
-            caches[allocator] = prefill.cache.keep([policy.keep_indices(prefill.observations[0], args.rate)])
+            caches[allocator] = prefill.cache.keep([policy.select(prefill.observations[0], args.rate)])
         kv_bytes = {"full": dynamic_nbytes(caches["full"])} | {name: caches[name].nbytes() for name in ALLOCATORS}
         del prefill
         times: dict[str, list[float]] = {name: [] for name in caches}
@@ -159,6 +172,7 @@ def main() -> None:
     }
     path = RESULTS / ("decode_speed.json" if args.device == "cpu" else "decode_speed_cuda.json")
     path.write_text(json.dumps({**meta, "rows": rows}, indent=2))
+    path.with_suffix(".md").write_text(markdown({**meta, "rows": rows}))
     console.print(f"wrote {path}")
 
 

@@ -4,7 +4,8 @@ The same dequantized model scores the first `--tokens` tokens of `--docs` essays
 `transformers`' GGUF converter (a Unigram model of the vocabulary, no BOS) and by the tokenizer
 kvsieve rebuilds from the GGUF (`kvsieve.harness.gemma.gguf_spm_tokenizer`: SentencePiece BPE, BOS first),
 each with and without BOS in front. Perplexity is per token, so it is comparable only within one
-tokenizer; bits per character compare them all.
+tokenizer; bits per character compare them all. Also renders `kvsieve ppl --model gemma3-270m`'s
+JSON, results/ppl_gemma3_270m.json, when it is there, as results/ppl_gemma3_270m.md.
 
     python benchmarks/gemma_tokenizer.py [--docs 4] [--tokens 512]
 """
@@ -26,8 +27,16 @@ import kvsieve
 from kvsieve.harness.data import essay_texts
 from kvsieve.harness.gemma import gemma_gguf
 from kvsieve.harness.models import cache_home
+from kvsieve.harness.report import markdown_table
 
 RESULTS = Path(__file__).parent / "results"
+#: The CLI's perplexity run on Gemma (`kvsieve ppl --model gemma3-270m ... --out` this path).
+GEMMA_PPL = RESULTS / "ppl_gemma3_270m.json"
+#: How the docs name the JSON's tokenizers.
+TOKENIZERS = {
+    "transformers GGUF converter": "`transformers`' GGUF converter (Unigram)",
+    "kvsieve rebuilt": "kvsieve, rebuilt from the GGUF (BPE)",
+}
 
 
 @torch.no_grad()
@@ -43,6 +52,34 @@ def score(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, texts: lis
         nll += F.cross_entropy(logits[start:], ids[0, 1 + start :], reduction="sum").item()
         count += ids.shape[1] - 1 - start
     return {"ppl": math.exp(nll / count), "bits_per_char": nll / math.log(2) / chars, "tokens": count}
+
+
+def markdown(report: dict) -> str:
+    """The report as a Markdown table: PPL and bits per character per tokenizer, with and without BOS."""
+    body = [
+        [TOKENIZERS.get(r["tokenizer"], r["tokenizer"]), "yes" if r["bos"] else "no", f"{r['ppl']:.2f}",
+         f"{r['bits_per_char']:.3f}"]
+        for r in report["rows"]
+    ]  # fmt: skip
+    return markdown_table(["tokenizer", "BOS", "PPL", "bits / char"], body) + "\n"
+
+
+def gemma_ppl_markdown(report: dict) -> str:
+    """`kvsieve ppl`'s JSON as a Markdown table: change per rate and policy, advantage over random, KV MiB held."""
+    row = {(r["policy"], r["rate"]): r for r in report["rows"]}
+    policies, rates = list(dict.fromkeys(p for p, _ in row)), list(dict.fromkeys(rate for _, rate in row))
+    contenders = [p for p in policies if p != "random"] if "random" in policies else []
+    header = ["rate", *(f"{p} delta% [95% CI]" for p in policies)]
+    header += [f"{p} advantage (pp)" if len(contenders) > 1 else "advantage (pp)" for p in contenders]
+    full = ["0%", f"full-cache PPL {report['full_ppl']:.2f}", *[""] * (len(header) - 2)]
+    body = [[*full, f"{report['full_kv_bytes'] / 2**20:.2f}"]]
+    for rate in rates:
+        changes = [(row[p, rate]["delta_pct"], *row[p, rate]["ci95"]) for p in policies]
+        changes = [f"{delta:+.2f}% [{lo:+.1f}, {hi:+.1f}]" for delta, lo, hi in changes]
+        gains = [f"{row['random', rate]['delta_pct'] - row[p, rate]['delta_pct']:+.2f}" for p in contenders]
+        kv_mib = row[policies[0], rate]["kv_bytes"] / 2**20
+        body.append([f"{rate:.0%}", *changes, *gains, f"{kv_mib:.2f}"])
+    return markdown_table([*header, "KV MiB per sequence"], body) + "\n"
 
 
 def main() -> None:
@@ -67,6 +104,9 @@ def main() -> None:
     Console().print(table)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "gemma_tokenizer.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    (RESULTS / "gemma_tokenizer.md").write_text(markdown({"args": vars(args), "rows": rows}))
+    if GEMMA_PPL.exists():
+        GEMMA_PPL.with_suffix(".md").write_text(gemma_ppl_markdown(json.loads(GEMMA_PPL.read_text())))
 
 
 if __name__ == "__main__":

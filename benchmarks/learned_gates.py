@@ -12,7 +12,8 @@ samples of the evaluation seed.
 - ``stream``: streaming perplexity at fixed budgets over held-back essays.
 - ``crossover``: needle tasks at growing context lengths (the long-distractor setting), rate 0.9.
 
-Each stage writes `benchmarks/results/learned_gates_<stage>.{json,md}`.
+Each stage writes `benchmarks/results/learned_gates_<stage>.{json,md}`; `tasks` and `stream` also write
+the compact tables of the docs to `learned_gates_<stage>_summary.md`.
 
     python benchmarks/learned_gates.py [--stages ppl,tasks,stream,crossover] [--quick]
 """
@@ -155,6 +156,46 @@ def _claim_markdown(claim: pd.DataFrame, extra: list[str] | None = None) -> str:
     return markdown_table(header, body)
 
 
+def _suite_markdown(curves: list[dict], suite: str) -> str:
+    """Markdown: one suite's caption (samples, full cache), then accuracy (mean gold log-prob) per policy and column."""
+    cell = {(r["policy"], r["mode"], r["rate"]): r for r in curves if r["suite"] == suite}
+    full = next(r for (policy, _, _), r in cell.items() if policy == "full")
+    columns = list(dict.fromkeys((mode, rate) for _, mode, rate in cell if rate > 0))
+    policies = [p for p in [*LEARNED, *HEURISTICS] if any(key[0] == p for key in cell)]
+    body = [
+        [p, *(f"{c['accuracy']:.2f} ({c['mean_gold_logprob']:.1f})" if (c := cell.get((p, *col))) else "-"
+              for col in columns)]
+        for p in policies
+    ]  # fmt: skip
+    caption = f"{suite} ({full['n']} samples; full cache: accuracy {full['accuracy']:.2f}, "
+    caption += f"gold log-prob {full['mean_gold_logprob']:.2f})"
+    return caption + "\n\n" + markdown_table(["policy", *(f"{mode} {rate:.0%}" for mode, rate in columns)], body)
+
+
+def tasks_summary_markdown(report: dict) -> str:
+    """Markdown: per suite (RULER first), accuracy (mean gold log-prob) of each policy per mode and rate."""
+    suites = {r["suite"] for r in report["curves"]}
+    order = [s for s in ("ruler", "routing") if s in suites] + sorted(suites - {"ruler", "routing"})
+    return "\n\n".join(_suite_markdown(report["curves"], suite) for suite in order)
+
+
+def stream_summary_markdown(report: dict) -> str:
+    """Markdown: PPL change against the full cache per policy and budget, and ms/token at the smallest and largest."""
+    rows = {(r["policy"], r["budget"]): r for r in report["rows"] if r["budget"] is not None}
+    policies = list(dict.fromkeys(policy for policy, _ in rows))
+    budgets = sorted({budget for _, budget in rows})
+    header = ["policy", *(f"B={b}" for b in budgets), f"ms/token at B={budgets[0]} / {budgets[-1]}"]
+    body = []
+    for p in policies:
+        changes = [rows[p, b]["vs_full"] for b in budgets]
+        cells = [f"{c['delta_pct']:+.1f}% [{c['ci95'][0]:+.1f}, {c['ci95'][1]:+.1f}]" for c in changes]
+        first, last = rows[p, budgets[0]]["ms_per_token"], rows[p, budgets[-1]]["ms_per_token"]
+        body.append([p, *cells, f"{first:.2f} / {last:.2f}"])
+    return markdown_table(header, body)
+
+
+#: The compact tables the docs show, per stage (written next to the stage's own files).
+SUMMARIES = {"tasks": tasks_summary_markdown, "stream": stream_summary_markdown}
 STAGES = {"ppl": stage_ppl, "tasks": stage_tasks, "stream": stage_stream, "crossover": stage_crossover}
 
 
@@ -176,6 +217,8 @@ def main() -> None:
             stem = RESULTS / f"learned_gates_{name}"
             stem.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
             stem.with_suffix(".md").write_text(markdown + "\n")
+            if name in SUMMARIES:
+                (RESULTS / f"learned_gates_{name}_summary.md").write_text(SUMMARIES[name](report) + "\n")
         print(f"stage {name}: {report['wall_seconds']:.0f} s")
 
 

@@ -25,6 +25,7 @@ from transformers import DynamicCache
 
 from kvsieve import known_policies, load_model, make_policy, observe_prefill
 from kvsieve.harness.data import long_context
+from kvsieve.harness.report import markdown_table
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -39,6 +40,16 @@ def timed(fn: object, *args: object, **kwargs: object) -> tuple[float, object]:
 def sdpa_prefill(model: torch.nn.Module, ids: torch.Tensor) -> None:
     model.set_attn_implementation("sdpa")
     model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+
+
+def markdown(report: dict) -> str:
+    """The report as a Markdown table: per scorer, its observed prefill and its time over SDPA at each context."""
+    contexts = list(dict.fromkeys(r["context"] for r in report["rows"]))
+    ratio = {(r["scorer"], r["context"]): r["ratio"] for r in report["rows"]}
+    kinds = {r["scorer"]: r["prefill"] for r in report["rows"]}
+    header = ["scorer", "observed prefill", *(f"{c / 1024:g}k ratio" for c in contexts)]
+    body = [[scorer, kind, *(f"{ratio[scorer, c]:.2f}" for c in contexts)] for scorer, kind in kinds.items()]
+    return markdown_table(header, body) + "\n"
 
 
 def main() -> None:
@@ -70,7 +81,7 @@ def main() -> None:
         for policy in policies:
             kind = "accumulate" if policy.needs.accumulated else "window"
             prefill = statistics.median(runs[policy.needs])
-            scoring, _ = timed(policy.keep_indices, observed[policy.needs].observations[0], args.rate)
+            scoring, _ = timed(policy.select, observed[policy.needs].observations[0], args.rate)
             rows.append(
                 {
                     "context": length,
@@ -108,6 +119,7 @@ def main() -> None:
     meta = {"model": "SmolLM2-135M-Instruct (float32)", "device": "cpu", "threads": torch.get_num_threads()}
     payload = {**meta, "repeats": args.repeats, "rows": rows}
     (RESULTS / "prefill_overhead.json").write_text(json.dumps(payload, indent=2))
+    (RESULTS / "prefill_overhead.md").write_text(markdown(payload))
     console.print(f"wrote {RESULTS / 'prefill_overhead.json'}")
 
 

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
+from kvsieve.harness.report import markdown_table
+
 RESULTS = Path(__file__).parent / "results"
 # (name, kv-heads, query heads per kv-head, head_dim, context, rows)
 SHAPES = [
@@ -117,6 +119,19 @@ def candidates(lengths: torch.Tensor, rows: int, heads: int, group: int, dim: in
     }
 
 
+def markdown(report: dict) -> str:
+    """The report as a Markdown table: microseconds per candidate and shape, and the ratio to `gather+sdpa`."""
+    labels = {"loop": "loop (1 call per segment)", "nested": "nested jagged SDPA"}
+    labels |= {"gather+sdpa": "gather + masked SDPA", "grid sdpa": "grid SDPA (equal lengths)"}
+    body = []
+    for row in report["rows"]:
+        base = row["median_us"]["gather+sdpa"]
+        cells = [f"{t:.0f} ({t / base:.{1 if t >= 10 * base else 2}f}x)" for t in row["median_us"].values()]
+        body.append([row["shape"], str(row["segments"]), *cells])
+    header = ["shape", "segments", *(labels.get(name, name) for name in report["rows"][0]["median_us"])]
+    return markdown_table(header, body) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=200)
@@ -144,6 +159,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "ragged_attention.json"
     path.write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows_out}, indent=2))
+    path.with_suffix(".md").write_text(markdown({"threads": torch.get_num_threads(), "rows": rows_out}))
     console.print(f"wrote {path}")
 
 

@@ -98,6 +98,58 @@ def seconds_table(report: dict[str, Any]) -> str:
     return markdown_table(["policy", "budget", "s per document", "ms/token"], body)
 
 
+#: The kvsieve policy a kvpress press is set beside in the summary, where the names differ.
+TWINS = {"streaming_llm": "streaming"}
+
+
+def _vs_full(row: dict[str, Any] | None, ci: bool = True) -> str:
+    """A row's PPL change against the full cache (with its interval unless `ci` is false); "-" without one."""
+    if row is None or row["vs_full"] is None:
+        return "-"
+    change = row["vs_full"]
+    interval = f" [{change['ci95'][0]:+.1f}, {change['ci95'][1]:+.1f}]" if ci else ""
+    return f"{change['delta_pct']:+.1f}%{interval}"
+
+
+def budget_markdown(report: dict[str, Any]) -> str:
+    """Markdown: PPL change against the full cache, a row per contender and a column per budget."""
+    rows = {(r["policy"], r["budget"]): r for r in report["rows"] if r["budget"] is not None}
+    contenders = list(dict.fromkeys(policy for policy, _ in rows))
+    budgets = sorted({budget for _, budget in rows})
+    body = [[c, *(_vs_full(rows.get((c, b))) for b in budgets)] for c in contenders]
+    return markdown_table(["policy", *(f"B={b}" for b in budgets)], body)
+
+
+def _side_cells(row: dict[str, Any] | None, name: str) -> list[str]:
+    """Name, change, ms/token and peak KV MiB of one side of the side-by-side table ("-" where it did not run)."""
+    if row is None:
+        return ["-"] * 4
+    return [name, _vs_full(row, ci=False), f"{row['ms_per_token']:.2f}", f"{row['peak_kv_bytes'] / 2**20:.1f}"]
+
+
+def side_by_side_markdown(report: dict[str, Any]) -> str:
+    """Markdown: at each kvpress budget, each press next to the kvsieve policy with the same rule."""
+    rows = {(r["policy"], r["budget"]): r for r in report["rows"] if r["budget"] is not None}
+    names = list(dict.fromkeys(name for name, _ in rows))
+    policies = [name for name in names if not name.startswith("kvpress:")]
+    presses = [name.removeprefix("kvpress:") for name in names if name.startswith("kvpress:")]
+    pairs = [(TWINS.get(press, press), press) for press in presses]
+    pairs.sort(key=lambda pair: policies.index(pair[0]) if pair[0] in policies else len(policies))
+    budgets = sorted({budget for name, budget in rows if name.startswith("kvpress:")})
+    body = [
+        [str(b), *_side_cells(rows.get((policy, b)), policy), *_side_cells(rows.get((f"kvpress:{press}", b)), press)]
+        for b in budgets
+        for policy, press in pairs
+    ]
+    header = ["at B", "kvsieve policy", "vs full", "ms/token", "peak KV MiB"]
+    return markdown_table([*header, "kvpress press", "vs full", "ms/token", "peak KV MiB"], body)
+
+
+def summary_markdown(report: dict[str, Any]) -> str:
+    """Markdown: the two summary tables (change per budget; kvsieve and kvpress side by side)."""
+    return f"{budget_markdown(report)}\n\n{side_by_side_markdown(report)}\n"
+
+
 def main() -> None:
     args = arguments()
     model, tokenizer = kvsieve.load_model()
@@ -131,6 +183,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
     stem.with_suffix(".md").write_text(markdown)
+    stem.with_name(f"{stem.name}_summary.md").write_text(summary_markdown(report))
     plot_stream_ppl(report, stem.with_suffix(".png"))
     print(f"wrote {stem}.json, .md, .png in {report['setup']['wall_seconds']:.0f} s")
 

@@ -23,10 +23,23 @@ from rich.table import Table
 from kvsieve import load_model
 from kvsieve.harness.data.suites import task_samples
 from kvsieve.harness.eval.sweep import run_sweep
+from kvsieve.harness.report import markdown_table
 
 RESULTS = Path(__file__).parent / "results"
 POLICIES = "snapkv,expected,importance,h2o,tova,knorm,streaming,random"
 RATES = [0.25, 0.5, 0.75, 0.9]
+
+
+def markdown(report: dict) -> str:
+    """The report as a Markdown table: seconds and configurations per minute of each sweep, and the speed-up."""
+    label = {"prefill once": "prefill once", "re-prefill": "re-prefill (as kvpress must)"}
+    per_minute, base = report["configurations_per_minute"], report["configurations_per_minute"]["re-prefill"]
+    body = [
+        [label.get(name, name), str(report["configurations"]), f"{sum(seconds):.1f}", f"{per_minute[name]:.1f}",
+         f"{per_minute[name] / base:.2f}x"]
+        for name, seconds in report["seconds"].items()
+    ]  # fmt: skip
+    return markdown_table(["sweep", "configurations", "seconds", "configurations / min", "speed-up"], body) + "\n"
 
 
 def main() -> None:
@@ -70,6 +83,7 @@ def main() -> None:
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "sweep_throughput.json").write_text(json.dumps(report, indent=2))
+    (RESULTS / "sweep_throughput.md").write_text(markdown(report))
     print(f"wrote {RESULTS / 'sweep_throughput.json'}")
 
 

@@ -1,0 +1,131 @@
+"""Rewrite the generated tables of docs/benchmarks.md from benchmarks/results/*.md.
+
+Every table of the doc that a benchmark produces sits between two marker lines, with one blank
+line on each side of its text:
+
+    <!-- results: NAME.md -->      the whole of benchmarks/results/NAME.md
+    <!-- results: NAME.md#K -->    its K-th table (from 1) and the caption paragraph right after it
+    <!-- end results -->
+
+The benchmarks write NAME.md next to their JSON; this script copies them into the doc. Prose
+stays outside the markers and is never touched. With --check nothing is written: it lists the
+stale regions and exits 1 when there are any (tests/test_docs.py runs the same check).
+
+    python benchmarks/render_docs.py [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+RESULTS = ROOT / "benchmarks" / "results"
+START = re.compile(r"<!-- results: (?P<name>[\w.-]+\.md)(?:#(?P<table>\d+))? -->")
+END = "<!-- end results -->"
+
+
+class RenderError(ValueError):
+    """A marker the renderer cannot follow: malformed, unclosed, or naming a missing file or table."""
+
+
+def _tables(lines: list[str]) -> list[tuple[int, int]]:
+    """(start, stop) line spans of each table, its caption paragraph (a plain paragraph right after it) included."""
+    spans, i = [], 0
+    while i < len(lines):
+        if not lines[i].startswith("|"):
+            i += 1
+            continue
+        start = i
+        while i < len(lines) and lines[i].startswith("|"):
+            i += 1
+        stop, j = i, i
+        while j < len(lines) and not lines[j].strip():
+            j += 1
+        if j > i and j < len(lines) and not lines[j].startswith(("|", "#", "!", "<")):
+            while j < len(lines) and lines[j].strip():
+                j += 1
+            stop = i = j
+        spans.append((start, stop))
+    return spans
+
+
+def results_text(name: str, table: int | None, results: Path = RESULTS) -> str:
+    """The text a marker stands for: a results file without its outer blank lines, or its `table`-th table."""
+    path = results / name
+    if not path.is_file():
+        raise RenderError(f"the marker '{name}' names {path}, which does not exist")
+    text = path.read_text().strip("\n")
+    if table is None:
+        return text
+    lines, spans = text.splitlines(), _tables(text.splitlines())
+    if not 1 <= table <= len(spans):
+        raise RenderError(f"the marker '{name}#{table}' asks for table {table}; {path} has {len(spans)}")
+    start, stop = spans[table - 1]
+    return "\n".join(lines[start:stop])
+
+
+def _marker(line: str, number: int) -> tuple[str, int | None] | None:
+    """The (file, table) a start marker names; None for any other line."""
+    if not line.startswith("<!-- results"):
+        return None
+    match = START.fullmatch(line.strip())
+    if match is None:
+        raise RenderError(f"line {number}: malformed marker {line!r} (expected '<!-- results: NAME.md[#K] -->')")
+    return match["name"], None if match["table"] is None else int(match["table"])
+
+
+def render(doc: str, results: Path = RESULTS) -> tuple[str, list[str], list[str]]:
+    """The doc with every marked region rewritten, the regions' labels, and the labels of those that changed."""
+    lines, out, labels, stale = doc.split("\n"), [], [], []
+    i = 0
+    while i < len(lines):
+        out.append(lines[i])
+        marker = _marker(lines[i], i + 1)
+        if marker is None:
+            i += 1
+            continue
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == END), None)
+        inner = lines[i + 1 : end]
+        if end is None or any(_marker(line, i + 1) for line in inner):
+            raise RenderError(f"line {i + 1}: marker {lines[i].strip()!r} has no '{END}' before the next one")
+        label = marker[0] + ("" if marker[1] is None else f"#{marker[1]}")
+        fresh = ["", *results_text(*marker, results=results).split("\n"), ""]
+        labels.append(label)
+        if inner != fresh:
+            stale.append(label)
+        out += [*fresh, lines[end]]
+        i = end + 1
+    return "\n".join(out), labels, stale
+
+
+def check(doc: Path = DOC, results: Path = RESULTS) -> list[str]:
+    """The labels of the regions of `doc` that differ from their results files (empty: up to date)."""
+    return render(doc.read_text(), results)[2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Rewrite the doc's regions (or only check them); print what was done; 1 when --check finds stale ones."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when a region is stale")
+    parser.add_argument("--doc", type=Path, default=DOC)
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    text, labels, stale = render(args.doc.read_text(), args.results)
+    for label in labels:
+        state = "stale" if label in stale and args.check else "rewritten" if label in stale else "up to date"
+        print(f"{label}: {state}")
+    if args.check:
+        print(f"{args.doc}: {len(stale)} of {len(labels)} regions stale" + (", run render_docs.py" if stale else ""))
+        return 1 if stale else 0
+    if stale:
+        args.doc.write_text(text)
+    print(f"{args.doc}: {len(stale)} of {len(labels)} regions rewritten")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
