@@ -56,7 +56,7 @@ class EvictionConfig:
             if getattr(self, name) != default:
                 raise PolicyError(f"EvictionConfig: give {name}= only (it has a deprecated name too)")
             object.__setattr__(self, name, value)
-        make_budget(self.rate, self.max_tokens, self.max_bytes)
+        self.limit()  # validates the budget
         overrides = {k: v for k, v in (("n_sink", self.n_sink), ("n_recent", self.n_recent)) if v is not None}
         policy = make_policy(self.policy, self.allocator, **overrides)
         refuse_span_projection(policy)
@@ -67,7 +67,7 @@ class EvictionConfig:
     @property
     def sized(self) -> bool:
         """Whether the budget is a size (and so bounds generation)."""
-        return self.max_tokens is not None or self.max_bytes is not None
+        return self.limit().is_size
 
     def limit(self) -> Budget:
         """The budget as a `Rate`, `MaxTokens` or `MaxBytes`."""
