@@ -1,18 +1,8 @@
-"""Learned retention gates (TrimKV / DBTrimKV): the module, soft-retention training, checkpoints."""
+"""Training retention gates (TrimKV / DBTrimKV) for a frozen model: data, soft retention, losses, the loop.
 
-from ...selection.checkpoint import GateCheckpointError, TrainRecord, load_gates, read_gates, save_gates
-from ...selection.gates import GateShape, RetentionGates, gate_shape
+The gates and their checkpoints are `kvsieve.selection.gates` and `kvsieve.selection.checkpoint`.
+"""
+
 from .train import TrainConfig, train_gates
 
-__all__ = [
-    "GateCheckpointError",
-    "GateShape",
-    "RetentionGates",
-    "TrainConfig",
-    "TrainRecord",
-    "gate_shape",
-    "load_gates",
-    "read_gates",
-    "save_gates",
-    "train_gates",
-]
+__all__ = ["TrainConfig", "train_gates"]
