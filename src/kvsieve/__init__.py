@@ -29,7 +29,7 @@ from .selection.spec import known_policies, make_policy
 if TYPE_CHECKING:
     from .harness.models import ModelNotFoundError, load_model
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 #: Public names that live in the harness, imported when first used.
 _LAZY = {"load_model": "kvsieve.harness.models", "ModelNotFoundError": "kvsieve.harness.models"}
