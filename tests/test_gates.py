@@ -11,7 +11,12 @@ import kvsieve
 from conftest import tiny_gemma3, tiny_llama
 from kvsieve.harness.training.data import TrainingData
 from kvsieve.harness.training.losses import capacity_loss, expected_kept
-from kvsieve.harness.training.retention import RetentionTape, soft_retention
+from kvsieve.harness.training.retention import (
+    RetentionTape,
+    decayed_attention,
+    masked_decayed_attention,
+    soft_retention,
+)
 from kvsieve.harness.training.train import TrainConfig, train_gates, train_step
 from kvsieve.selection.checkpoint import (
     GateCheckpointError,
@@ -248,3 +253,18 @@ def test_train_gates_command_writes_a_checkpoint_the_scorer_loads(model_dir, tmp
     assert bad.exit_code == 2 and "scope must be one of" in bad.output
     short = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--capacity", "16", "--per-task", "1"])
     assert short.exit_code == 2 and "too small" in short.output, "task prompts that do not fit: a clean error"
+
+
+def test_decay_bias_in_the_fused_kernel_equals_the_explicit_bias():
+    """The folded dot product gives the explicit `(t - i) log beta_i` bias, outputs and gradients (GQA, float32)."""
+    gen = torch.Generator().manual_seed(11)
+    query, key, value = (torch.randn(2, h, 300, 16, generator=gen).requires_grad_() for h in (4, 2, 2))
+    log_beta = (-3 * torch.rand(2, 2, 300, generator=gen)).requires_grad_()
+    outputs, grads = [], []
+    for attend in (decayed_attention, masked_decayed_attention):
+        out = attend(query, key, value, log_beta, 0.25)
+        outputs.append(out)
+        grads.append(torch.autograd.grad(out.square().sum(), (query, key, value, log_beta)))
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-4, rtol=1e-4)
+    for fused, explicit in zip(*grads, strict=True):
+        torch.testing.assert_close(fused, explicit, atol=1e-3, rtol=1e-3)
