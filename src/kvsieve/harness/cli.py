@@ -56,7 +56,7 @@ from .report import markdown_table, plot_ppl, plot_stream_ppl, ppl_markdown, ppl
 from .report.diagnostic_page import DIAGNOSTIC_FILE, DIAGNOSTIC_MANIFEST, WORKED_MAP, write_diagnostic_page
 from .report.figures import plot_eviction_map
 from .report.html import MANIFEST_FILE, RESULTS_FILE, accuracy_pivot, write_report
-from .training.data import training_data
+from .training.data import corpus_training_data, training_data
 from .training.losses import SCOPES
 from .training.train import TrainConfig, train_gates
 
@@ -72,6 +72,14 @@ def _split(text: str, cast: type) -> list:
         return [cast(part.strip()) for part in text.split(",") if part.strip()]
     except ValueError as err:
         raise typer.BadParameter(f"cannot read {text!r} as a comma-separated list: {err}") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """A floating torch dtype by name (`float32`, `bfloat16`, `float16`), or a clear error."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"unknown dtype {name!r}; use float32, bfloat16 or float16")
+    return dtype
 
 
 def _parsed(hint: str, parse: Callable[[], Any]) -> Any:
@@ -533,16 +541,28 @@ def train_gates_command(
     width: Annotated[int, typer.Option(min=1, help="hidden units per (layer, kv-head)")] = TrainConfig.width,
     per_task: Annotated[int, typer.Option(min=0, help="training samples per task")] = TrainConfig.per_task,
     seed: Annotated[int, typer.Option()] = TrainConfig.seed,
+    kl_tokens: Annotated[int, typer.Option(min=0, help="positions the loss reads per sequence (0: all)")] = (
+        TrainConfig.kl_tokens
+    ),
+    data: Annotated[
+        Path | None, typer.Option(help="your corpus: a text file, a folder, or JSONL (default: bundled essays, tasks)")
+    ] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1, ...")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="the model's dtype: float32, bfloat16, float16")] = "float32",
     budget: Annotated[int | None, typer.Option(hidden=True, help="deprecated: --capacity")] = None,
 ) -> None:
     """Train retention gates (TrimKV / DBTrimKV) for a model on this machine; the model itself is not changed."""
     entries, where = _capacity_and_scope(capacity, scope, budget)
     settings = {"capacity": entries, "scope": where, "steps": steps, "seq_len": seq_len, "lam": lam, "ntp": ntp}
-    config = _parsed("train-gates", lambda: TrainConfig(**settings, lr=lr, width=width, per_task=per_task, seed=seed))
+    settings |= {"lr": lr, "width": width, "per_task": per_task, "kl_tokens": kl_tokens, "seed": seed}
+    config = _parsed("train-gates", lambda: TrainConfig(**settings))
     name = DEFAULT_MODEL if model == "default" else model
-    lm, tokenizer = load_model(name)
-    data = _parsed("--seq-len", lambda: training_data(tokenizer, config.seq_len, config.per_task, config.seed))
-    gates, record = train_gates(lm, tokenizer, config, out, name, data=data)
+    lm, tokenizer = load_model(name, dtype=_parsed("--dtype", lambda: torch_dtype(dtype)), device=device)
+    if data is None:
+        corpus = _parsed("--seq-len", lambda: training_data(tokenizer, config.seq_len, config.per_task, config.seed))
+    else:
+        corpus = _parsed("--data", lambda: corpus_training_data(tokenizer, data, config.seq_len, config.seed))
+    gates, record = train_gates(lm, tokenizer, config, out, name, data=corpus)
     console.print(f"trained {len(gates.shape.layers)} layers of gates in {record.seconds:.0f} s; wrote {out}")
 
 

@@ -21,6 +21,7 @@ made per head or per row.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -175,9 +176,13 @@ def tallied_attention(
     return _unfold(out.reshape(rows, kv_heads, group * q, dim), q_heads, q).to(query.dtype), received.transpose(2, 3)
 
 
+#: What `varlen_attention` passes to torch's kernel beyond the sequences (torch 2.11's kernel lacks `enable_gqa`).
+VARLEN_ARGUMENTS = ("enable_gqa", "seqused_k")
+
+
 @functools.cache
 def _varlen_kernel() -> Callable[..., torch.Tensor] | None:
-    """torch's fused varlen flash kernel (CUDA), or None in torch versions before 2.10.
+    """torch's fused varlen flash kernel (CUDA), or None in a torch whose kernel lacks `VARLEN_ARGUMENTS`.
 
     Imported on first use, not with kvsieve: its module loads `torch._dynamo` (about 0.4 s).
     """
@@ -185,7 +190,8 @@ def _varlen_kernel() -> Callable[..., torch.Tensor] | None:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn
+    parameters = inspect.signature(varlen_attn).parameters
+    return varlen_attn if all(name in parameters for name in VARLEN_ARGUMENTS) else None
 
 
 def varlen_available(query: torch.Tensor) -> bool:

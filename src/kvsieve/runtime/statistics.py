@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..selection.architecture import attention_module, decoder_layers
 from ..selection.checkpoint import load_gates
 from ..selection.gates import RetentionGates
 from ..selection.observation import Needs, Statistics
@@ -14,12 +15,18 @@ def needed_gates(model: torch.nn.Module, needs: Needs) -> dict[str, RetentionGat
     return {source: load_gates(source, model) for source in needs.gates}
 
 
+#: What `transformers` calls an attention module's output projection (GPT-NeoX: `dense`).
+OUTPUT_PROJECTIONS = ("o_proj", "dense")
+
+
 def output_projection(module: torch.nn.Module) -> torch.Tensor:
     """The attention output projection weight `[hidden, q_heads * head_dim]`, or a clear error."""
-    projection = getattr(module, "o_proj", None)
-    if not isinstance(projection, torch.nn.Linear):
-        raise ValueError(f"{type(module).__name__} has no output projection (o_proj), which the scorer needs")
-    return projection.weight.detach()
+    for name in OUTPUT_PROJECTIONS:
+        projection = getattr(module, name, None)
+        if isinstance(projection, torch.nn.Linear):
+            return projection.weight.detach()
+    names = " or ".join(OUTPUT_PROJECTIONS)
+    raise ValueError(f"{type(module).__name__} has no output projection ({names}), which the scorer needs")
 
 
 def layer_statistics(model: torch.nn.Module, needs: Needs | None = None) -> list[Statistics]:
@@ -27,12 +34,14 @@ def layer_statistics(model: torch.nn.Module, needs: Needs | None = None) -> list
     and the output projection and retention gates if needed."""
     needs = Needs() if needs is None else needs
     gates = needed_gates(model, needs)
+    q_heads = model.config.get_text_config(decoder=True).num_attention_heads
+    modules = [attention_module(layer) for layer in decoder_layers(model)]
     return [
         Statistics(
-            scaling=layer.self_attn.scaling,
-            q_heads=layer.self_attn.config.num_attention_heads,
-            output_weight=output_projection(layer.self_attn) if needs.output_projection else None,
+            scaling=module.scaling,
+            q_heads=q_heads,
+            output_weight=output_projection(module) if needs.output_projection else None,
             gates=gates,
         )
-        for layer in model.base_model.layers
+        for module in modules
     ]

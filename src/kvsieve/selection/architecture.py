@@ -1,15 +1,25 @@
-"""What a model's architecture says about its cache: which layers attend fully and which keep a sliding window.
+"""What a model's architecture says about its cache: its decoder layers and their attention modules, the
+kv-heads and head dimension of its entries, and which layers attend fully or keep a sliding window.
 
 Models such as Gemma-3 mix full-attention layers with sliding-window layers (`config.layer_types`);
 Mistral with `sliding_window` set makes every layer a sliding one. Policies score and evict the
-full-attention layers only; a sliding layer's cache keeps its own rolling window.
+full-attention layers only; a sliding layer's cache keeps its own rolling window. The families
+`transformers` runs through its attention interface share this shape: `model.base_model.layers`,
+each with its attention module (`self_attn`; GPT-NeoX: `attention`), which carries `layer_idx`
+and `scaling`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from torch import nn
+
 from .errors import UnhookableModelError
+
+#: What `transformers` calls a decoder layer's attention module (Llama, Qwen, Mistral, Phi-3, OLMo-2, Granite,
+#: Gemma: `self_attn`; GPT-NeoX: `attention`).
+ATTENTION_ATTRIBUTES = ("self_attn", "attention")
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -54,3 +64,32 @@ def layer_windows(model: PreTrainedModel) -> list[int | None]:
     if getattr(config, "use_bidirectional_attention", False):
         raise UnhookableModelError(f"{name} uses bidirectional attention; sieve attention serves causal models")
     return [window if kind == SLIDING_ATTENTION else None for kind in layer_types]
+
+
+def decoder_layers(model: PreTrainedModel) -> list[nn.Module]:
+    """The decoder layers of `model`, in order, or a clear error."""
+    layers = getattr(model.base_model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise UnhookableModelError(
+            f"{type(model).__name__} has no decoder layers kvsieve recognises (base_model.layers)"
+        )
+    return list(layers)
+
+
+def attention_module(layer: nn.Module) -> nn.Module:
+    """A decoder layer's attention module (the one `transformers` hands to attention functions)."""
+    for name in ATTENTION_ATTRIBUTES:
+        module = getattr(layer, name, None)
+        if isinstance(module, nn.Module):
+            return module
+    raise UnhookableModelError(
+        f"{type(layer).__name__} has no attention module kvsieve recognises ({', '.join(ATTENTION_ATTRIBUTES)})"
+    )
+
+
+def kv_geometry(model: PreTrainedModel) -> tuple[int, int]:
+    """`(kv_heads, head_dim)` of the model's entries, as `transformers`' attention modules derive them."""
+    config = model.config.get_text_config(decoder=True)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return kv_heads, head_dim

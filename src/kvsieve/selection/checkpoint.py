@@ -58,6 +58,7 @@ class TrainRecord:
     seed: int
     data: dict = field(default_factory=dict)
     seconds: float = 0.0
+    architecture: str = ""  # the model class, e.g. "LlamaForCausalLM" (empty in checkpoints before kvsieve 0.2)
 
     @classmethod
     def from_dict(cls, train: dict) -> TrainRecord:
@@ -139,6 +140,11 @@ def load_gates(source: str | Path, model: torch.nn.Module) -> RetentionGates:
                 "train them with `kvsieve train-gates --model ... --out DIR` and use the policy 'trimkv:gates=DIR'"
             )
     gates, record = read_gates(source)
+    if record.architecture and record.architecture != type(model).__name__:
+        raise GateCheckpointError(
+            f"the retention gates in {source} were trained for a {record.architecture} ({record.model_name}); "
+            f"this model is a {type(model).__name__}: train gates for it with `kvsieve train-gates`"
+        )
     check_shape(gates, model)
     if record.model_hash != fingerprint:
         raise GateCheckpointError(

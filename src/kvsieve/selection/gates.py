@@ -23,7 +23,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .architecture import layer_windows
+from .architecture import kv_geometry, layer_windows
+from .errors import UnhookableModelError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -59,9 +60,13 @@ class GateShape:
 
 def gate_shape(model: PreTrainedModel, width: int = DEFAULT_WIDTH) -> GateShape:
     """The gates `model` needs: one per kv-head of each full-attention layer (sliding layers keep their window)."""
-    attention = model.base_model.layers[0].self_attn
     full = tuple(i for i, window in enumerate(layer_windows(model)) if window is None)
-    return GateShape(full, attention.config.num_key_value_heads, attention.head_dim, width)
+    if not full:
+        raise UnhookableModelError(
+            f"{type(model).__name__} has no full-attention layer: every layer keeps its own sliding window, which "
+            "no policy evicts, so there is nothing for retention gates to score"
+        )
+    return GateShape(full, *kv_geometry(model), width)
 
 
 class RetentionGates(nn.Module):

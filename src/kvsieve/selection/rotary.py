@@ -19,8 +19,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Invert `x * cos + rotate_half(x) * sin` (RoPE, possibly scaled) for `x [..., w, d]`, `cos, sin [w, d]`."""
-    return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)
+    """Invert `x * cos + rotate_half(x) * sin` (RoPE, possibly scaled) for `x [..., w, d]`, `cos, sin [w, r]`.
+
+    With partial rotary embeddings (GPT-NeoX, `r < d`) only the first `r` coordinates were rotated.
+    """
+    rotated = cos.shape[-1]
+    head, rest = x[..., :rotated], x[..., rotated:]
+    head = (head * cos - rotate_half(head) * sin) / (cos * cos + sin * sin)
+    return torch.cat([head, rest], dim=-1) if rest.shape[-1] else head
 
 
 def find_rotary(model: torch.nn.Module) -> Rotary:

@@ -38,6 +38,7 @@ from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ...runtime.attention import attention_implementation
+from ...selection.architecture import attention_module, decoder_layers
 from ...selection.budget import check_count, check_rate, evicted_count
 from ...selection.observation import DEFAULT_WINDOW
 from ...selection.protection import DEFAULT_N_RECENT, DEFAULT_N_SINK
@@ -201,9 +202,8 @@ def visible_entries(
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The self-attention module of every decoder layer, as kvpress hooks them."""
-    decoder = model.model.language_model if hasattr(model.model, "language_model") else model.model
-    return [layer.self_attn for layer in decoder.layers]
+    """The attention module of every decoder layer, as kvpress hooks them."""
+    return [attention_module(layer) for layer in decoder_layers(model)]
 
 
 @contextlib.contextmanager

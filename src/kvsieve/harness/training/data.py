@@ -1,6 +1,8 @@
-"""Training sequences for retention gates: windows of the training essays and task samples with their answers.
+"""Training sequences for retention gates: windows of documents and evidence-bearing samples with their answers.
 
-Essays are split by document (`kvsieve.harness.data.essay_split`): only the training ones are read here, and
+By default, the bundled essays and task generators; with a corpus (`train-gates --data`,
+`kvsieve.harness.training.corpus`), the user's documents and question-answer records. Essays are
+split by document (`kvsieve.harness.data.essay_split`): only the training ones are read here, and
 the perplexity of learned policies is measured on the held-back ones. Task samples (RULER-style and
 routing families) come from `TRAINING_TASK_SEED`, far from every evaluation seed, and are fed with
 their question and gold answer after the context, so the distillation loss sees what evidence a
@@ -11,11 +13,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..data import encode, essay_split, essay_texts, task_samples
+from .corpus import CorpusError, QARecord, read_corpus
 
 #: Seed of the task samples gates are trained on; evaluations use small seeds (0 by default).
 TRAINING_TASK_SEED = 1_000_003
@@ -33,8 +37,13 @@ class TrainingData:
 
 def essay_windows(tokenizer: PreTrainedTokenizerBase, names: list[str], seq_len: int) -> list[torch.Tensor]:
     """Non-overlapping `seq_len`-token windows of each named essay, each starting as the essay does (BOS kept)."""
+    return document_windows(tokenizer, list(essay_texts(names).values()), seq_len)
+
+
+def document_windows(tokenizer: PreTrainedTokenizerBase, texts: list[str], seq_len: int) -> list[torch.Tensor]:
+    """Non-overlapping `seq_len`-token windows of each text, each starting as the text does (BOS kept)."""
     windows = []
-    for text in essay_texts(names).values():
+    for text in texts:
         ids = tokenizer(text, return_tensors="pt").input_ids
         head = ids[:, :1] if ids[0, 0] == tokenizer.bos_token_id else ids[:, :0]
         body = ids[:, head.shape[1] :]
@@ -67,4 +76,38 @@ def training_data(tokenizer: PreTrainedTokenizerBase, seq_len: int, per_task: in
         "task_samples_per_task": per_task,
         "sequences": len(sequences),
     }
+    return TrainingData(sequences, split)
+
+
+def qa_sequence(tokenizer: PreTrainedTokenizerBase, record: QARecord, seq_len: int) -> torch.Tensor:
+    """A question-answer record as one sequence: context, question, answer (the last `seq_len` tokens)."""
+    parts = [tokenizer(record.context, return_tensors="pt").input_ids]
+    for text in (f"\n\n{record.question}\n", record.answer):
+        parts.append(tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids)
+    return torch.cat(parts, dim=1)[:, -seq_len:]
+
+
+def corpus_training_data(tokenizer: PreTrainedTokenizerBase, path: str | Path, seq_len: int, seed: int) -> TrainingData:
+    """The training part of a user's corpus as sequences: `seq_len`-token windows of its documents (each must be that
+    long) and its question-answer records, shuffled by `seed`; the split and the corpus hash are recorded."""
+    corpus = read_corpus(path)
+    train, heldout = corpus.split()
+    sequences = []
+    for name in train:
+        if name in corpus.records:
+            sequences.append(qa_sequence(tokenizer, corpus.records[name], seq_len))
+            continue
+        windows = document_windows(tokenizer, [corpus.documents[name]], seq_len)
+        if not windows:
+            tokens = len(tokenizer(corpus.documents[name]).input_ids)
+            raise CorpusError(
+                f"{name}: {tokens} tokens, shorter than one training sequence of {seq_len}; "
+                "lower --seq-len or join short documents"
+            )
+        sequences += windows
+    if not sequences:
+        raise CorpusError(f"--data {path} yields no training sequence (its {len(heldout)} item(s) are all held back)")
+    random.Random(seed).shuffle(sequences)
+    split = {"source": str(path), "sha256": corpus.sha256, "train": train, "heldout": heldout}
+    split |= {"documents": len(corpus.documents), "qa_records": len(corpus.records), "sequences": len(sequences)}
     return TrainingData(sequences, split)

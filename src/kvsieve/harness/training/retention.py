@@ -15,6 +15,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -115,15 +117,13 @@ def decayed_attention(
     steps = torch.arange(key.shape[2], device=key.device, dtype=dtype)
     ones = torch.ones_like(query[..., :1], dtype=dtype)
     log_beta = log_beta.to(dtype)
+    width = -(query.shape[-1] + 2) % 8 if query.is_cuda else 0  # zeros up to a multiple of 8 for CUDA's kernels
     queries = torch.cat([query.to(dtype) * scaling, steps[:, None].expand_as(ones), ones], dim=-1)
     keys = torch.cat([key.to(dtype), log_beta[..., None], (-steps * log_beta)[..., None]], dim=-1)
-    values = torch.nn.functional.pad(value.to(dtype), (0, 2))  # the fused kernel takes one head dimension
-    out = torch.nn.functional.scaled_dot_product_attention(
-        queries,
-        keys.repeat_interleave(group, dim=1),
-        values.repeat_interleave(group, dim=1),
-        is_causal=True,
-        scale=1.0,
+    queries, keys = (F.pad(x, (0, width)) for x in (queries, keys))
+    values = F.pad(value.to(dtype), (0, 2 + width))  # the fused kernel takes one head dimension
+    out = F.scaled_dot_product_attention(
+        queries, keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1), is_causal=True, scale=1.0
     )
     return out[..., : value.shape[-1]].to(query.dtype)
 
@@ -142,13 +142,16 @@ def masked_decayed_attention(
     if attention_mask is not None:
         allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
         bias = bias.masked_fill(~allowed[..., :length], float("-inf"))
-    return torch.nn.functional.scaled_dot_product_attention(
-        query,
-        key.repeat_interleave(group, dim=1),
-        value.repeat_interleave(group, dim=1),
-        attn_mask=bias.to(query.dtype),
-        scale=scaling,
-    )
+    # Not CUDA's memory-efficient kernel: its backward of a mask that needs a gradient fails (torch 2.11,
+    # "LSE is not correctly aligned"; seen at head dimension 32, not at 64 or 128).
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(
+            query,
+            key.repeat_interleave(group, dim=1),
+            value.repeat_interleave(group, dim=1),
+            attn_mask=bias.to(query.dtype),
+            scale=scaling,
+        )
 
 
 @contextmanager

@@ -34,9 +34,8 @@ class TrainConfig:
 
     Attributes:
         capacity: `M`, entries per (layer, kv-head) the capacity hinge aims for.
-        steps: optimiser steps (one sequence each). The default fits the 40-minute budget on 2 CPU cores for
-            the default model: a step at 1,024 tokens takes about 11 s there (the shipped gates: 1,724 s for
-            160 steps; about 5 s at 512, where not every task prompt fits).
+        steps: optimiser steps (one sequence each). The shipped gates of the default model: 160 steps in 1,083 s
+            on 2 CPU cores (about 6.7 s a step at 1,024 tokens; `benchmarks/train_speed.py`).
         seq_len: tokens per training sequence.
         lam: weight of the capacity hinge.
         scope: ``"global"`` (one capacity over every layer and head, DBTrimKV) or ``"head"`` (TRIM-KV).
@@ -168,6 +167,7 @@ def train_gates(
     record = TrainRecord(
         model_name=model_name,
         model_hash=model_fingerprint(model),
+        architecture=type(model).__name__,
         capacity=config.capacity,
         scope=config.scope,
         lam=config.lam,

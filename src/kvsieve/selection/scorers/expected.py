@@ -12,14 +12,19 @@ from ..rotary import unrotate
 from .base import check_window
 
 
-def mean_rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`[d, d]` average of the RoPE matrices `diag(cos) + diag(sin) P` over the given positions (`cos, sin [f, d]`)."""
+def mean_rotation(cos: torch.Tensor, sin: torch.Tensor, head_dim: int | None = None) -> torch.Tensor:
+    """`[d, d]` average of the RoPE matrices `diag(cos) + diag(sin) P` over the given positions (`cos, sin [f, r]`).
+
+    With partial rotary embeddings (`r < head_dim`), the coordinates past `r` are not rotated (identity).
+    """
     dim = cos.shape[-1]
     half = torch.eye(dim // 2, dtype=cos.dtype, device=cos.device)
     partner = torch.zeros(dim, dim, dtype=cos.dtype, device=cos.device)
     partner[: dim // 2, dim // 2 :] = -half
     partner[dim // 2 :, : dim // 2] = half
-    return torch.diag(cos.mean(0)) + torch.diag(sin.mean(0)) @ partner
+    rotation = torch.diag(cos.mean(0)) + torch.diag(sin.mean(0)) @ partner
+    rest = (head_dim or dim) - dim
+    return torch.block_diag(rotation, torch.eye(rest, dtype=cos.dtype, device=cos.device)) if rest else rotation
 
 
 def expected_logits(keys: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -67,7 +72,7 @@ class ExpectedScorer:
         pre_rope = unrotate(queries, *obs.rotary(positions))
         mean = pre_rope.mean(dim=1)
         future = torch.arange(1, self.future + 1, device=positions.device) + positions[-1]
-        rotation = mean_rotation(*obs.rotary(future))
+        rotation = mean_rotation(*obs.rotary(future), head_dim=queries.shape[-1])
         cov = None
         if self.covariance:
             centered = pre_rope - mean[:, None]
