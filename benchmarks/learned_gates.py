@@ -1,7 +1,8 @@
 """Learned retention gates (trimkv) against the best heuristics, at equal bytes held, and against the full cache.
 
-Every stage uses the gates kvsieve ships for the default model (`make gates` retrains them) and
-only what the gates never saw in training: held-back essays (`kvsieve.harness.data.essay_split`) and task
+Every stage uses the gates kvsieve ships for the model (`--model`: the default model, or Gemma-3-270M
+at smaller sizes) and only what the gates never saw in training: held-back essays
+(`kvsieve.harness.data.essay_split`) and task
 samples of the evaluation seed.
 
 - ``ppl``: the perplexity protocol (DESIGN §4) on held-back essays (6 of the 12 have the 1,537 tokens
@@ -11,11 +12,13 @@ samples of the evaluation seed.
   (paired bootstrap over samples), and every one where it falls short.
 - ``stream``: streaming perplexity at fixed budgets over held-back essays.
 - ``crossover``: needle tasks at growing context lengths (the long-distractor setting), rate 0.9.
+- ``length``: needles at the longest length at 50 / 75 / 90%, and the stream stage's PPL change per
+  position bucket: gates trained at 1,024 tokens, read at 4k and 8k.
 
-Each stage writes `benchmarks/results/learned_gates_<stage>.{json,md}`; `tasks` and `stream` also write
-the compact tables of the docs to `learned_gates_<stage>_summary.md`.
+Each stage writes `benchmarks/results/learned_gates_<stage>.{json,md}` (Gemma: `learned_gemma3_270m_<stage>`);
+`tasks` and `stream` also write the compact tables of the docs to `<same stem>_summary.md`.
 
-    python benchmarks/learned_gates.py [--stages ppl,tasks,stream,crossover] [--quick]
+    python benchmarks/learned_gates.py [--stages ppl,tasks,stream,crossover,length] [--quick] [--model gemma3-270m]
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from kvsieve.harness.eval.perplexity import PplResult
 from kvsieve.harness.eval.stats import bootstrap_delta_ci, pooled_delta_pct
 from kvsieve.harness.eval.streaming import run_streaming, streaming_documents
 from kvsieve.harness.eval.sweep import run_sweep
+from kvsieve.harness.gemma import GEMMA_MODEL
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table, ppl_markdown, stream_markdown
 
@@ -52,6 +56,9 @@ FULL_RUN = {"docs": 6, "samples": 3, "length": 1024, "stream_docs": 2, "stream_t
 FULL_RUN |= {"budgets": [256, 512, 1024], "needle_samples": 5, "lengths": "1024,2048,4096"}
 QUICK = {"docs": 2, "samples": 1, "length": 512, "stream_docs": 1, "stream_tokens": 1024}
 QUICK |= {"budgets": [256], "needle_samples": 1, "lengths": "512,1024"}
+#: Gemma-3-270M (`--model gemma3-270m`) costs about twice the default model per token: smaller sizes, about 40 minutes.
+GEMMA_RUN = {"docs": 4, "samples": 1, "length": 1024, "stream_docs": 1, "stream_tokens": 4096}
+GEMMA_RUN |= {"budgets": [256, 512], "needle_samples": 3, "lengths": "1024,4096"}
 
 
 def stage_ppl(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:
@@ -109,6 +116,44 @@ def stage_crossover(model: Any, tokenizer: Any, args: argparse.Namespace) -> tup
     rows = pd.concat(frames, ignore_index=True)
     claim = pd.concat([against_full(part).assign(length=n) for n, part in rows.groupby("length")], ignore_index=True)
     return {"claim": claim.to_dict("records")}, _claim_markdown(claim, extra=["length", "policy"])
+
+
+def stage_length(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:
+    """Gates trained at 1,024 tokens, read far past that: needles at the longest length at every rate, and the
+    stream stage's PPL change per position bucket (from its results; run `stream` first)."""
+    length = max(int(x) for x in args.lengths.split(","))
+    samples = task_samples("niah_single_2,niah_multikey_1", tokenizer, length=length, n=args.needle_samples, seed=0)
+    with progress_bar(f"needles at {length} tokens") as progress:
+        rows = run_sweep(
+            model, tokenizer, samples, [CLAIMANT, "snapkv"], [0.5, 0.75, 0.9], diagnostics=False, progress=progress
+        )
+    claim = against_full(rows).assign(length=length)
+    stream = json.loads((RESULTS / f"{args.prefix}_stream.json").read_text())
+    report = {"claim": claim.to_dict("records"), "positions": position_rows(stream)}
+    markdown = _claim_markdown(claim, extra=["length", "policy"]) + "\n\n" + position_markdown(report["positions"])
+    return report, markdown
+
+
+def position_rows(stream: dict) -> list[dict]:
+    """PPL change against the full cache per position bucket past the first, per policy and budget (stream stage)."""
+    full = next(r for r in stream["rows"] if r["budget"] is None)
+    out = []
+    for row in (r for r in stream["rows"] if r["budget"] is not None):
+        for mine, theirs in list(zip(row["buckets"], full["buckets"], strict=True))[1:]:
+            change = 100 * (mine["ppl"] / theirs["ppl"] - 1)
+            out.append({"policy": row["policy"], "budget": row["budget"], "end": mine["end"], "delta_pct": change})
+    return out
+
+
+def position_markdown(rows: list[dict]) -> str:
+    """Markdown: PPL change per position bucket (columns) for each (policy, budget)."""
+    ends = sorted({r["end"] for r in rows})
+    cells = {(r["policy"], r["budget"], r["end"]): r["delta_pct"] for r in rows}
+    keys = list(dict.fromkeys((r["policy"], r["budget"]) for r in rows))
+    header = ["policy", "budget", *(f"tokens {end - 2048}-{end}" for end in ends)]
+    body = [[p, str(b), *(f"{cells[p, b, e]:+.1f}%" for e in ends)] for p, b in keys]
+    caption = "PPL change against the full cache on the same positions, per 2,048-token bucket of the stream stage"
+    return markdown_table(header, body) + "\n\n" + caption
 
 
 def _paired_rows(result: PplResult) -> list[dict]:
@@ -197,16 +242,20 @@ def stream_summary_markdown(report: dict) -> str:
 #: The compact tables the docs show, per stage (written next to the stage's own files).
 SUMMARIES = {"tasks": tasks_summary_markdown, "stream": stream_summary_markdown}
 STAGES = {"ppl": stage_ppl, "tasks": stage_tasks, "stream": stage_stream, "crossover": stage_crossover}
+STAGES |= {"length": stage_length}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", default=",".join(STAGES))
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, results not written")
+    parser.add_argument("--model", default=None, help="default, or gemma3-270m (its shipped gates, smaller sizes)")
     args = parser.parse_args()
-    for key, value in (QUICK if args.quick else FULL_RUN).items():
+    sizes = QUICK if args.quick else GEMMA_RUN if args.model == GEMMA_MODEL else FULL_RUN
+    for key, value in sizes.items():
         setattr(args, key, value)
-    model, tokenizer = kvsieve.load_model()
+    model, tokenizer = kvsieve.load_model(None if args.model == "default" else args.model)
+    args.prefix = "learned_gates" if args.model in (None, "default") else f"learned_{args.model.replace('-', '_')}"
     RESULTS.mkdir(exist_ok=True)
     for name in args.stages.split(","):
         start = time.perf_counter()
@@ -214,11 +263,11 @@ def main() -> None:
         report["wall_seconds"] = time.perf_counter() - start
         print(markdown)
         if not args.quick:
-            stem = RESULTS / f"learned_gates_{name}"
+            stem = RESULTS / f"{args.prefix}_{name}"
             stem.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
             stem.with_suffix(".md").write_text(markdown + "\n")
             if name in SUMMARIES:
-                (RESULTS / f"learned_gates_{name}_summary.md").write_text(SUMMARIES[name](report) + "\n")
+                (RESULTS / f"{args.prefix}_{name}_summary.md").write_text(SUMMARIES[name](report) + "\n")
         print(f"stage {name}: {report['wall_seconds']:.0f} s")
 
 

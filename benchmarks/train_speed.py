@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -139,7 +140,8 @@ def markdown(report: dict) -> str:
     gpu = report["device"] != "cpu"
     body = []
     for r in report["rows"]:
-        speed = [f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}", f"{r['speedup']:.2f}x"]
+        speedup = f"{r['speedup']:.2f}x" if math.isfinite(r["speedup"]) else ""
+        speed = [f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}", speedup]
         if r["out_of_memory"]:
             speed = ["out of memory", "", ""]
         memory = [f"{r['peak_gib']:.1f}" if r["peak_gib"] else "> GPU"] if gpu else []
@@ -164,6 +166,7 @@ def main() -> None:
     model = args.shape or (args.model and Path(args.model).name)
     stem = "train_speed" if model is None else f"train_speed_{model.replace('-', '_').replace('.', '_')}"
     stem += "" if (args.device, args.dtype) == ("cpu", "float32") else f"_{args.device}_{args.dtype}"
+    stem += "" if args.seq_len == TrainConfig.seq_len else f"_{args.seq_len}"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / f"{stem}.md").write_text(markdown(report))

@@ -86,4 +86,6 @@ def test_train_gates_on_a_corpus_records_it(model_dir, tmp_path):
     bad.write_text('{"question": "q"}\n')
     result = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--capacity", "8", "--data", str(bad)])
     assert result.exit_code == 2 and "needs a 'text' field" in result.output
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--capacity", "8", "--dtype", "int8"])
+    assert result.exit_code == 2 and "unknown dtype 'int8'" in result.output
     assert torch.load(out / "train_state.pt", weights_only=True)["step"] == 2

@@ -170,6 +170,8 @@ def test_checkpoint_round_trip_and_wrong_models(tmp_path):
         load_gates(tmp_path, tiny_llama(kv_heads=4))
     with pytest.raises(GateCheckpointError, match="not a retention-gate checkpoint"):
         load_gates(tmp_path / "nowhere", model)
+    with pytest.raises(GateCheckpointError, match=r"before the parameters: 'trimkv\+global:gates="):
+        kvsieve.compress(model, torch.randint(0, 128, (1, 40)), f"trimkv:gates={tmp_path}+global", rate=0.5)
     with pytest.raises(GateCheckpointError, match="ships no retention gates"):
         kvsieve.compress(model, torch.randint(0, 128, (1, 40)), "trimkv", rate=0.5)
 

@@ -9,6 +9,7 @@ import kvsieve
 from kvsieve.harness.data import long_context
 from kvsieve.harness.gemma import gemma_missing
 from kvsieve.runtime.sliding import SlidingLayer
+from kvsieve.selection.checkpoint import DEFAULT_GATES, load_gates, read_gates, shipped_gates_for
 
 pytestmark = [
     pytest.mark.gemma,
@@ -65,3 +66,23 @@ def test_compressed_decode_equals_the_masked_reference_and_bytes_count_both_kind
     assert cache.window_nbytes() == 15 * 511 * entry
     full = kvsieve.compress(model, ids[:, :PROMPT], "snapkv", rate=0.0)
     assert full.nbytes() == (15 * 511 + 3 * PROMPT) * entry
+
+
+@torch.no_grad()
+def test_shipped_gates_load_and_evict_exactly(gemma, masked_reference):
+    model, tokenizer = gemma
+    folder = shipped_gates_for(model)
+    assert folder is not None and folder.name == "gemma3-270m", "kvsieve ships gates for Gemma-3-270M"
+    _, record = read_gates(folder)
+    assert record.architecture == "Gemma3ForCausalLM" and record.seconds <= 40 * 60
+    assert load_gates(DEFAULT_GATES, model).shape.layers == (5, 11, 17)
+    ids = long_context(tokenizer, PROMPT + STEPS)
+    cache = kvsieve.compress(model, ids[:, :PROMPT], "trimkv+global", rate=0.8)
+    stored = [cache.stored_lengths()[layer][0] for layer in cache.full_layers]
+    assert sum(stored) == pytest.approx(3 * (1 + 32 + 0.2 * (PROMPT - 33)), abs=3), "one budget over three heads"
+    kept = {layer: cache.kept_positions(layer) for layer in cache.full_layers}
+    with kvsieve.sieve_attention(model):
+        ours = model(ids[:, PROMPT:], past_key_values=cache).logits
+    with masked_reference(model, ids[:, :PROMPT], kept) as reference:
+        expected = model(ids[:, PROMPT:], past_key_values=reference.cache).logits
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)

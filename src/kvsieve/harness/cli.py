@@ -27,6 +27,7 @@ from .data import essay_split, essay_texts, sample_documents
 from .data.sample import TaskSample
 from .data.suites import resolve_tasks, task_samples
 from .eval import run_ppl
+from .eval.allocation import budget_allocation
 from .eval.analysis import accuracy_by_rate
 from .eval.contenders import parse_contenders
 from .eval.contract_diagnostic import (
@@ -54,7 +55,7 @@ from .models import DEFAULT_MODEL, load_model
 from .progress import console, progress_bar
 from .report import markdown_table, plot_ppl, plot_stream_ppl, ppl_markdown, ppl_table, stream_table
 from .report.diagnostic_page import DIAGNOSTIC_FILE, DIAGNOSTIC_MANIFEST, WORKED_MAP, write_diagnostic_page
-from .report.figures import plot_eviction_map
+from .report.figures import plot_allocation, plot_eviction_map
 from .report.html import MANIFEST_FILE, RESULTS_FILE, accuracy_pivot, write_report
 from .training.data import corpus_training_data, training_data
 from .training.losses import SCOPES
@@ -500,6 +501,38 @@ def eviction_map(
     sample = task_samples(names, tokenizer, length=length, n=index + 1, seed=seed)[index]
     path = write_eviction_map(lm, tokenizer, sample, contender, rate, mode, out)
     console.print(f"wrote {path}")
+
+
+@app.command()
+def allocation(
+    policy: Annotated[str, typer.Option(help="a kvsieve spec; its allocator is shown beside uniform")] = (
+        "trimkv+global"
+    ),
+    rate: Annotated[float, typer.Option(help="eviction rate in [0, 1)")] = 0.8,
+    text: Annotated[Path | None, typer.Option(help="a text file (default: a held-back essay)")] = None,
+    tokens: Annotated[int, typer.Option(min=16, help="prompt length (the text's first tokens)")] = 1024,
+    out: Annotated[Path, typer.Option(help="PNG path (the numbers go to the same name .json)")] = Path(
+        "allocation.png"
+    ),
+    model: Annotated[str | None, typer.Option()] = None,
+) -> None:
+    """Where the budget goes: entries kept per (layer, kv-head) under the policy's allocator beside uniform."""
+    _parsed("--policy", lambda: make_policy(policy))
+    _parsed("--rate", lambda: check_rate(rate))
+    lm, tokenizer = load_model(model)
+    if text is None:
+        ids = sample_documents(tokenizer, 1, tokens, names=essay_split()[1])[0][1]
+    else:
+        if not text.is_file():
+            raise typer.BadParameter(f"{text}: no such file", param_hint="--text")
+        ids = tokenizer(text.read_text(), return_tensors="pt").input_ids[:, :tokens]
+    found = _parsed("--policy", lambda: budget_allocation(lm, ids, policy, rate))
+    path = plot_allocation(found, out)
+    path.with_suffix(".json").write_text(json.dumps(found.to_json(), indent=2) + "\n")
+    kept, uniform = found.layer_totals()
+    most = sorted(range(len(kept)), key=lambda i: kept[i] / max(uniform[i], 1), reverse=True)[:3]
+    shares = ", ".join(f"L{found.layers[i]} {kept[i] / max(uniform[i], 1):.2f}x" for i in most)
+    console.print(f"wrote {path} and {path.with_suffix('.json')}; layers given most beyond uniform: {shares}")
 
 
 def _deprecated_option(old: str, new: str) -> None:

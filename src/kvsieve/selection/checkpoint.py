@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from .allocators import ALLOCATORS
 from .gates import GateShape, RetentionGates, gate_shape
 
 WEIGHTS_FILE = "gates.safetensors"
@@ -83,8 +84,11 @@ def read_gates(folder: str | Path) -> tuple[RetentionGates, TrainRecord]:
     """Load a checkpoint folder without checking it against a model."""
     folder = Path(folder)
     if not (folder / WEIGHTS_FILE).is_file() or not (folder / CONFIG_FILE).is_file():
+        stem, _, allocator = str(folder).rpartition("+")
+        hint = f"; the allocator goes before the parameters: 'trimkv+{allocator}:gates={stem}'"
+        hint = hint if allocator in ALLOCATORS else ""
         raise GateCheckpointError(
-            f"{folder} is not a retention-gate checkpoint (needs {WEIGHTS_FILE} and {CONFIG_FILE})"
+            f"{folder} is not a retention-gate checkpoint (needs {WEIGHTS_FILE} and {CONFIG_FILE}){hint}"
         )
     config = json.loads((folder / CONFIG_FILE).read_text())
     gates = RetentionGates(GateShape.from_dict(config["shape"]))

@@ -17,6 +17,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from ..eval.allocation import Allocation
+
 
 def _save(fig: Figure, path: str | Path) -> Path:
     path = Path(path)
@@ -191,4 +193,36 @@ def plot_consensus_by_depth(table: pd.DataFrame, path: str | Path, title: str | 
     _legend(ax, lines)
     ax.set_title(title or "head consensus by depth (H = query heads of one layer; low = rigid)")
     fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_allocation(allocation: Allocation, path: str | Path, title: str | None = None) -> Path:
+    """Entries kept per (layer, kv-head) under the policy's allocator, and per layer beside the uniform split.
+
+    Left: a heat map, layers (rows) x kv-heads, of the entries each head keeps, as a multiple of what
+    the uniform split gives it (log scale: 1 = the uniform share). Right: entries kept per layer, the
+    policy's (bars) and the uniform split's (line); both keep the same number in all.
+    """
+    kept, uniform = np.array(allocation.kept, dtype=float), np.array(allocation.uniform, dtype=float)
+    ratio = np.log2(np.maximum(kept, 0.5) / np.maximum(uniform, 1.0))
+    height = min(10.0, 2.0 + 0.22 * len(allocation.layers))
+    fig, (left, right) = _figure(1, 2, figsize=(11, height), gridspec_kw={"width_ratios": [1, 2], "wspace": 0.25})
+    limit = max(1.0, float(np.abs(ratio).max()))
+    image = left.imshow(ratio, aspect="auto", cmap="RdBu_r", vmin=-limit, vmax=limit, interpolation="nearest")
+    left.set_yticks(range(len(allocation.layers)), [f"L{layer}" for layer in allocation.layers], fontsize=7)
+    left.set_xticks(range(kept.shape[1]))
+    left.set_xlabel("kv-head")
+    left.set_ylabel("layer (full attention)")
+    bar = fig.colorbar(image, ax=left, fraction=0.08, pad=0.03)
+    bar.set_label("log2(kept / uniform share)")
+    totals, uniform_totals = allocation.layer_totals()
+    rows = np.arange(len(allocation.layers))
+    right.barh(rows, totals, color="tab:blue", label=allocation.policy)
+    right.plot(uniform_totals, rows, color="black", linestyle="--", marker="|", label="uniform split")
+    right.set_yticks(rows, [f"L{layer}" for layer in allocation.layers], fontsize=7)
+    right.invert_yaxis()
+    right.set_xlabel(f"entries kept per layer (all kv-heads), of {allocation.tokens} tokens per head")
+    right.legend(fontsize=8, loc="lower right")
+    right.grid(axis="x", alpha=0.3)
+    fig.suptitle(title or f"{allocation.policy} at {allocation.rate:.0%} eviction: where the budget goes")
     return _save(fig, path)
