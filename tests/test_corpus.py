@@ -88,4 +88,9 @@ def test_train_gates_on_a_corpus_records_it(model_dir, tmp_path):
     assert result.exit_code == 2 and "needs a 'text' field" in result.output
     result = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--capacity", "8", "--dtype", "int8"])
     assert result.exit_code == 2 and "unknown dtype 'int8'" in result.output
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--capacity", "8", "--device", "gpu0"])
+    assert result.exit_code == 2 and "unknown device 'gpu0'" in result.output
+    if not torch.cuda.is_available():
+        result = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--capacity", "8", "--device", "cuda"])
+        assert result.exit_code == 2 and "sees no CUDA GPU" in result.output
     assert torch.load(out / "train_state.pt", weights_only=True)["step"] == 2

@@ -74,7 +74,7 @@ def test_shipped_gates_load_and_compress_the_default_model(default_model):
     from kvsieve.selection.checkpoint import load_gates, shipped_checkpoints
 
     model, tokenizer = default_model
-    assert [folder.name for folder in shipped_checkpoints()] == ["smollm2-135m"]
+    assert [folder.name for folder in shipped_checkpoints()] == ["gemma3-270m", "smollm2-135m"]
     gates = load_gates("default", model)
     assert gates.shape.layers == tuple(range(30)) and (gates.shape.kv_heads, gates.shape.head_dim) == (3, 64)
     _, ids = sample_documents(tokenizer, 1, 400, seed=2)[0]

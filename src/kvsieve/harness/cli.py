@@ -83,6 +83,21 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def torch_device(name: str) -> torch.device:
+    """A torch device by name (`cpu`, `cuda`, `cuda:1`, `mps`) that this machine has, or a clear error."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}; use cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: this torch sees no CUDA GPU (torch.cuda.is_available() is False)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {name!r}: MPS is not available here")
+    return device
+
+
 def _parsed(hint: str, parse: Callable[[], Any]) -> Any:
     """Run a parser; its ValueError becomes a clean command-line error naming the option."""
     try:
@@ -529,10 +544,9 @@ def allocation(
     found = _parsed("--policy", lambda: budget_allocation(lm, ids, policy, rate))
     path = plot_allocation(found, out)
     path.with_suffix(".json").write_text(json.dumps(found.to_json(), indent=2) + "\n")
-    kept, uniform = found.layer_totals()
-    most = sorted(range(len(kept)), key=lambda i: kept[i] / max(uniform[i], 1), reverse=True)[:3]
-    shares = ", ".join(f"L{found.layers[i]} {kept[i] / max(uniform[i], 1):.2f}x" for i in most)
-    console.print(f"wrote {path} and {path.with_suffix('.json')}; layers given most beyond uniform: {shares}")
+    shares = sorted(zip(found.layer_shares(), found.layers, strict=True), reverse=True)[:3]
+    most = ", ".join(f"L{layer} {share:.2f}x" for share, layer in shares)
+    console.print(f"wrote {path} and {path.with_suffix('.json')}; layers given most beyond uniform: {most}")
 
 
 def _deprecated_option(old: str, new: str) -> None:
@@ -590,7 +604,8 @@ def train_gates_command(
     settings |= {"lr": lr, "width": width, "per_task": per_task, "kl_tokens": kl_tokens, "seed": seed}
     config = _parsed("train-gates", lambda: TrainConfig(**settings))
     name = DEFAULT_MODEL if model == "default" else model
-    lm, tokenizer = load_model(name, dtype=_parsed("--dtype", lambda: torch_dtype(dtype)), device=device)
+    where_to = _parsed("--device", lambda: torch_device(device))
+    lm, tokenizer = load_model(name, dtype=_parsed("--dtype", lambda: torch_dtype(dtype)), device=where_to)
     if data is None:
         corpus = _parsed("--seq-len", lambda: training_data(tokenizer, config.seq_len, config.per_task, config.seed))
     else:

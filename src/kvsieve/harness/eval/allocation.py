@@ -38,6 +38,11 @@ class Allocation:
         """Entries kept per layer (summed over its kv-heads): by the policy, and by the uniform split."""
         return [sum(heads) for heads in self.kept], [sum(heads) for heads in self.uniform]
 
+    def layer_shares(self) -> list[float]:
+        """Entries kept per layer as a multiple of what the uniform split keeps there."""
+        kept, uniform = self.layer_totals()
+        return [mine / max(even, 1) for mine, even in zip(kept, uniform, strict=True)]
+
 
 def _kept(cache: SievedCache, layers: list[int]) -> list[list[int]]:
     return [list(cache.stored_lengths()[layer]) for layer in layers]
