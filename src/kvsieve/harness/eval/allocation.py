@@ -45,7 +45,8 @@ class Allocation:
 
 
 def _kept(cache: SievedCache, layers: list[int]) -> list[list[int]]:
-    return [list(cache.stored_lengths()[layer]) for layer in layers]
+    lengths = cache.stored_lengths()
+    return [list(lengths[layer]) for layer in layers]
 
 
 @torch.no_grad()
