@@ -3,8 +3,10 @@
 "before" is the trainer of kvsieve 0.1: the decay bias built as a `T x T` float mask per layer (SDPA's
 math kernel and its backward), the distillation KL over every position and the whole vocabulary, the
 capacity hinge at every step. "after" is the default now: the bias folded into the fused causal kernel
-(`decayed_attention`) and the loss terms read at `kl_tokens` positions drawn per step. Both run on the
-same training sequences, one step of each in turn, after a warm-up step; medians over the rounds.
+(`decayed_attention`) and the loss terms read at `kl_tokens` positions drawn per step. A float32 model
+gets a third row: "after" with the teacher's forward autocast to bfloat16 (`--teacher-dtype bfloat16`).
+All run on the same training sequences, one step of each in turn, after a warm-up step; medians over
+the rounds.
 
     python benchmarks/train_speed.py [--model default] [--seq-len 1024] [--rounds 8] [--dtype float32]
     python benchmarks/train_speed.py --shape llama-3-8b --device cuda --dtype bfloat16
@@ -21,6 +23,7 @@ import math
 import statistics
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -39,15 +42,30 @@ RESULTS = Path(__file__).parent / "results"
 #: Real models' dimensions for `--shape` (Llama-3.2-1B and Llama-3-8B: hidden, MLP, layers, q heads, kv heads).
 SHAPES = {"llama-3.2-1b": (2048, 8192, 16, 32, 8), "llama-3-8b": (4096, 14336, 32, 32, 8)}
 
-#: (label, fused decay bias, kl_tokens)
-TRAINERS = (("before (kvsieve 0.1)", False, 0), ("after", True, TrainConfig.kl_tokens))
+
+class Trainer(NamedTuple):
+    """One trainer the benchmark times."""
+
+    label: str
+    fused: bool  # the decay bias in the fused causal kernel (else a T x T float mask)
+    kl_tokens: int
+    teacher_dtype: str | None = None
 
 
-def step_seconds(model: torch.nn.Module, gates: RetentionGates, ids: torch.Tensor, fused: bool, kl: int) -> float:
+def trainers(dtype: str) -> list[Trainer]:
+    """kvsieve 0.1's trainer, today's, and (for a float32 model) today's with a bfloat16 teacher."""
+    rows = [Trainer("before (kvsieve 0.1)", False, 0), Trainer("after", True, TrainConfig.kl_tokens)]
+    if dtype == "float32":
+        rows.append(Trainer("after, bfloat16 teacher", True, TrainConfig.kl_tokens, "bfloat16"))
+    return rows
+
+
+def step_seconds(model: torch.nn.Module, gates: RetentionGates, ids: torch.Tensor, trainer: Trainer) -> float:
     """Seconds of one optimiser step's forward and backward (the optimiser update itself is negligible)."""
     cos, sin = find_rotary(model)(torch.arange(ids.shape[1], device=ids.device))
-    tape = RetentionTape(gates, cos, sin, fused=fused)
-    config = TrainConfig(seq_len=ids.shape[1], kl_tokens=kl)
+    tape = RetentionTape(gates, cos, sin, fused=trainer.fused)
+    kl = trainer.kl_tokens
+    config = TrainConfig(seq_len=ids.shape[1], kl_tokens=kl, teacher_dtype=trainer.teacher_dtype)
     positions = loss_positions(ids.shape[1], kl, torch.Generator().manual_seed(0))
     start = time.perf_counter()
     terms = train_step(model, gates, tape, ids, config, positions)
@@ -103,18 +121,20 @@ def measure(args: argparse.Namespace) -> dict:
     model, sequences = model_and_sequences(args)
     gates = RetentionGates(gate_shape(model)).to(args.device)
     cuda = args.device.startswith("cuda")
-    times: dict[str, list[float]] = {label: [] for label, _, _ in TRAINERS}
+    timed = trainers(args.dtype)
+    times: dict[str, list[float]] = {trainer.label: [] for trainer in timed}
     peaks: dict[str, float] = {}
     out_of_memory: set[str] = set()
     for round_, ids in enumerate(sequences):
-        for label, fused, kl in TRAINERS:
+        for trainer in timed:
+            label = trainer.label
             if label in out_of_memory:
                 continue
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             try:
-                seconds = step_seconds(model, gates, ids.to(args.device), fused, kl)
+                seconds = step_seconds(model, gates, ids.to(args.device), trainer)
             except torch.OutOfMemoryError:
                 out_of_memory.add(label)
                 continue
@@ -123,9 +143,10 @@ def measure(args: argparse.Namespace) -> dict:
             if round_:  # the first round warms up
                 times[label].append(seconds)
     rows = []
-    for label, _, kl in TRAINERS:
+    for label, _, kl, teacher in timed:
         median = statistics.median(times[label]) if times[label] else float("nan")
-        row = {"trainer": label, "kl_tokens": kl, "step_s": median, "tokens_per_s": args.seq_len / median}
+        row = {"trainer": label, "kl_tokens": kl, "teacher_dtype": teacher}
+        row |= {"step_s": median, "tokens_per_s": args.seq_len / median}
         rows.append(row | {"peak_gib": peaks.get(label), "out_of_memory": label in out_of_memory})
     for row in rows:
         row["speedup"] = rows[0]["step_s"] / row["step_s"]

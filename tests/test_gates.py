@@ -270,3 +270,23 @@ def test_decay_bias_in_the_fused_kernel_equals_the_explicit_bias():
     torch.testing.assert_close(outputs[0], outputs[1], atol=1e-4, rtol=1e-4)
     for fused, explicit in zip(*grads, strict=True):
         torch.testing.assert_close(fused, explicit, atol=1e-3, rtol=1e-3)
+
+
+def test_a_bfloat16_teacher_rounds_the_targets_only_and_trains(tmp_path):
+    model = tiny_llama()
+    gates = _gates(model)
+    ids = torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(3))
+    config = TrainConfig(capacity=8, steps=12, seq_len=SEQ, lr=5e-2, width=8, bias_init=4.0, save_every=12)
+    rounded = dataclasses.replace(config, teacher_dtype="bfloat16")
+    with torch.no_grad():
+        exact, cast = (train_step(model, gates, _tape(model, gates), ids, c) for c in (config, rounded))
+    assert float(cast["capacity"]) == float(exact["capacity"])  # the student and its gates are untouched
+    assert float(cast["kl"]) != float(exact["kl"])  # the teacher did run in bfloat16 ...
+    assert abs(float(cast["kl"]) - float(exact["kl"])) < 0.1 * float(exact["kl"])  # ... to its rounding
+    data = TrainingData([ids], {})
+    trained, _ = train_gates(model, None, rounded, tmp_path, "tiny", data=data, show_progress=False)
+    with torch.no_grad():
+        after = float(train_step(model, trained, _tape(model, trained), ids, config)["loss"])
+    assert after < 0.8 * float(exact["loss"])
+    with pytest.raises(ValueError, match="teacher_dtype must be one of"):
+        TrainConfig(teacher_dtype="int8")

@@ -591,6 +591,9 @@ def train_gates_command(
     kl_tokens: Annotated[int, typer.Option(min=0, help="positions the loss reads per sequence (0: all)")] = (
         TrainConfig.kl_tokens
     ),
+    teacher_dtype: Annotated[
+        str | None, typer.Option(help="autocast the teacher's forward: bfloat16, float16 (default: the model's)")
+    ] = TrainConfig.teacher_dtype,
     data: Annotated[
         Path | None, typer.Option(help="your corpus: a text file, a folder, or JSONL (default: bundled essays, tasks)")
     ] = None,
@@ -602,6 +605,7 @@ def train_gates_command(
     entries, where = _capacity_and_scope(capacity, scope, budget)
     settings = {"capacity": entries, "scope": where, "steps": steps, "seq_len": seq_len, "lam": lam, "ntp": ntp}
     settings |= {"lr": lr, "width": width, "per_task": per_task, "kl_tokens": kl_tokens, "seed": seed}
+    settings["teacher_dtype"] = teacher_dtype
     config = _parsed("train-gates", lambda: TrainConfig(**settings))
     name = DEFAULT_MODEL if model == "default" else model
     where_to = _parsed("--device", lambda: torch_device(device))

@@ -9,6 +9,7 @@ rerun with the same arguments resumes from there; with the same seed, a run is r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from .losses import SCOPES, capacity_loss, forward_kl, next_token_loss
 from .retention import RetentionTape, soft_retention
 
 STATE_FILE = "train_state.pt"
+TEACHER_DTYPES = (None, "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,10 @@ class TrainConfig:
             The mean KL over them is an unbiased estimate of the mean over all positions; the teacher's and
             the student's output heads run on them alone (the vocabulary projection is 21% of the default
             model's forward, 62% of Gemma-3-270M's), and the capacity hinge is read at the same steps.
+        teacher_dtype: run the teacher's forward under autocast to this dtype (None: the model's own). Its
+            logits are the KL's targets only, so their rounding is noise next to the sampled positions; with
+            ``"bfloat16"`` a float32 step of the default model takes a third less time on CPUs with bfloat16
+            units (`benchmarks/train_speed.py --teacher-bfloat16`; quality: `benchmarks/gates_quality.py`).
         seed: fixes the gates' initialisation, the data order and the drawn positions.
         save_every: steps between resumable saves.
     """
@@ -63,12 +69,15 @@ class TrainConfig:
     bias_init: float = DEFAULT_BIAS_INIT
     per_task: int = 3
     kl_tokens: int = 256
+    teacher_dtype: str | None = None
     seed: int = 0
     save_every: int = 25
 
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
+        if self.teacher_dtype not in TEACHER_DTYPES:
+            raise ValueError(f"teacher_dtype must be one of {TEACHER_DTYPES}, got {self.teacher_dtype!r}")
         if self.kl_tokens < 0:
             raise ValueError(f"kl_tokens must be >= 0, got {self.kl_tokens}")
         for name in ("capacity", "steps", "seq_len", "width", "save_every"):
@@ -85,6 +94,13 @@ def loss_positions(length: int, count: int, generator: torch.Generator) -> torch
     return torch.randperm(length, generator=generator)[:count].sort().values
 
 
+def teacher_precision(dtype: str | None, device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast to `dtype` on `device` for the teacher's forward (a no-op context for None)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, dtype))
+
+
 def train_step(
     model: PreTrainedModel,
     gates: RetentionGates,
@@ -98,7 +114,7 @@ def train_step(
     `positions`: the steps the loss terms read (None: every position).
     """
     keep = 0 if positions is None else positions.to(ids.device)  # transformers' logits_to_keep: 0 keeps all
-    with torch.no_grad():
+    with torch.no_grad(), teacher_precision(config.teacher_dtype, ids.device):
         teacher = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
     tape.log_beta.clear()
     with soft_retention(model, tape):
