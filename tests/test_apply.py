@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -139,3 +141,23 @@ def test_a_one_token_prompt_under_a_size_starts_from_an_empty_bounded_cache(mode
         out = model.generate(ids[:, :1], **gen)
         cache = handle.last_cache
     assert out.shape[1] == 61 and cache.get_seq_length() == 60 and cache.mean_stored() <= 40 + 8
+
+
+@torch.no_grad()
+def test_a_plain_forward_inside_apply_warns_once_that_it_is_not_compressed(model, ids):
+    with kvsieve.apply(model, kvsieve.EvictionConfig(rate=0.5)), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.generate(ids, **GEN)  # compressed: no warning
+        model.generate(ids[:, :20], **GEN)  # too short to evict (the rule), inside generate: no warning
+        cache = kvsieve.compress(model, ids[:, :-1], "snapkv", 0.5)
+        model(ids[:, -1:], past_key_values=cache)  # the user's own compressed cache: no warning
+        assert not caught
+        full = model(ids).logits
+        model(ids)
+    assert [type(w.message) for w in caught] == [kvsieve.UncompressedForwardWarning]
+    assert "compresses the prompts of model.generate() only" in str(caught[0].message)
+    torch.testing.assert_close(full, model(ids).logits)  # it ran on the full cache, as the warning says
+    with warnings.catch_warnings(record=True) as after:
+        warnings.simplefilter("always")
+        model(ids)
+    assert not after, "the hook goes with the handle"

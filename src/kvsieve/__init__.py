@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .runtime.apply import SieveHandle, apply
+from .runtime.apply import SieveHandle, UncompressedForwardWarning, apply
 from .runtime.attention import UnsupportedAttentionError, sieve_attention
 from .runtime.cache import RaggedAttentionError, SievedCache
 from .runtime.cache_observations import observe_cache
@@ -58,6 +58,7 @@ __all__ = [
     "Rate",
     "SieveHandle",
     "SievedCache",
+    "UncompressedForwardWarning",
     "UnhookableModelError",
     "UnsupportedAttentionError",
     "__version__",

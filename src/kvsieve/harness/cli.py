@@ -51,7 +51,7 @@ from .eval.streaming import (
     streaming_documents,
 )
 from .eval.sweep import check_modes, run_sweep, sample_key, sample_survival
-from .models import DEFAULT_MODEL, load_model
+from .models import DEFAULT_MODEL, load_model, torch_device, torch_dtype
 from .progress import console, progress_bar
 from .report import markdown_table, plot_ppl, plot_stream_ppl, ppl_markdown, ppl_table, stream_table
 from .report.diagnostic_page import DIAGNOSTIC_FILE, DIAGNOSTIC_MANIFEST, WORKED_MAP, write_diagnostic_page
@@ -73,29 +73,6 @@ def _split(text: str, cast: type) -> list:
         return [cast(part.strip()) for part in text.split(",") if part.strip()]
     except ValueError as err:
         raise typer.BadParameter(f"cannot read {text!r} as a comma-separated list: {err}") from None
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """A floating torch dtype by name (`float32`, `bfloat16`, `float16`), or a clear error."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"unknown dtype {name!r}; use float32, bfloat16 or float16")
-    return dtype
-
-
-def torch_device(name: str) -> torch.device:
-    """A torch device by name (`cpu`, `cuda`, `cuda:1`, `mps`) that this machine has, or a clear error."""
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"unknown device {name!r}; use cpu, cuda, cuda:N or mps") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r}: this torch sees no CUDA GPU (torch.cuda.is_available() is False)")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device {name!r}: MPS is not available here")
-    return device
 
 
 def _parsed(hint: str, parse: Callable[[], Any]) -> Any:
@@ -568,6 +545,22 @@ def _capacity_and_scope(capacity: str | None, scope: str | None, budget: int | N
     except ValueError:
         raise typer.BadParameter(f"{capacity!r} is not a number of entries", param_hint="--capacity") from None
     return entries, scope or TrainConfig.scope
+
+
+@app.command(
+    name="lm-eval",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
+)
+def lm_eval_command(ctx: typer.Context) -> None:
+    """lm-evaluation-harness with the model type `kvsieve`: every argument goes to lm-eval, e.g.
+    `kvsieve lm-eval --model kvsieve --model_args pretrained=smollm2-135m,policy=trimkv+global,rate=0.75 --tasks T`."""
+    try:
+        from .lmeval.command import run_lm_eval
+    except ModuleNotFoundError as err:
+        if err.name is None or not err.name.startswith("lm_eval"):
+            raise
+        raise typer.BadParameter('lm-eval is not installed: pip install "kvsieve[lm-eval]"') from None
+    run_lm_eval(ctx.args)
 
 
 @app.command(name="train-gates")

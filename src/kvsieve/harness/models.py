@@ -26,6 +26,29 @@ class ModelNotFoundError(FileNotFoundError):
     """A model (or the package that ships it) is not where it should be."""
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """A floating torch dtype by name (`float32`, `bfloat16`, `float16`), or a clear error."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"unknown dtype {name!r}; use float32, bfloat16 or float16")
+    return dtype
+
+
+def torch_device(name: str) -> torch.device:
+    """A torch device by name (`cpu`, `cuda`, `cuda:1`, `mps`) that this machine has, or a clear error."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}; use cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: this torch sees no CUDA GPU (torch.cuda.is_available() is False)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {name!r}: MPS is not available here")
+    return device
+
+
 def cache_home() -> Path:
     """Where kvsieve keeps converted models: `$KVSIEVE_HOME` or `~/.cache/kvsieve`."""
     return Path(os.environ.get("KVSIEVE_HOME", Path.home() / ".cache" / "kvsieve"))

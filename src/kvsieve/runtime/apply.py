@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from contextlib import ExitStack
 from types import TracebackType
+from typing import Any
 
 import torch
 
@@ -12,6 +14,17 @@ from .attention import sieve_attention
 from .cache import SievedCache
 from .config import EvictionConfig
 from .decoding import generate_compressed
+
+
+class UncompressedForwardWarning(UserWarning):
+    """A plain forward ran inside `apply` on the full cache (`apply` compresses `generate()` prompts only)."""
+
+
+UNCOMPRESSED_FORWARD = (
+    "model(...) ran inside kvsieve.apply on the full cache: apply compresses the prompts of model.generate() "
+    "only. To score text under eviction, compress the context with kvsieve.compress and feed the rest through "
+    "the returned cache, or evaluate with lm-eval's model type 'kvsieve' (`kvsieve lm-eval --model kvsieve ...`)"
+)
 
 
 class SieveHandle:
@@ -27,12 +40,18 @@ class SieveHandle:
     follow `kvsieve.runtime.decoding`'s rule (under a rate they are not compressed, and
     `last_cache` is None). `last_cache` is the cache of the latest call. `remove()` (or leaving
     the with-block) gives the model back its own `generate` and attention.
+
+    A forward the user calls directly (`model(ids)`, a log-likelihood) is not compressed: nothing
+    says which of its tokens are the prompt. The first one without a `SievedCache` warns
+    (`UncompressedForwardWarning`), once per handle.
     """
 
     def __init__(self, model: torch.nn.Module, config: EvictionConfig) -> None:
         self.model = model
         self.config = config
         self.last_cache: SievedCache | None = None
+        self._generating = False
+        self._warned = False
         self._scope = ExitStack()
         self._scope.enter_context(sieve_attention(model))
         original = model.generate
@@ -43,8 +62,24 @@ class SieveHandle:
 
         model.generate = generate
         self._scope.callback(model.__dict__.pop, "generate", None)
+        hook = model.register_forward_pre_hook(self._check_forward, with_kwargs=True)
+        self._scope.callback(hook.remove)
+
+    def _check_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Warn once about a forward outside `generate` that runs on an uncompressed cache."""
+        if self._generating or self._warned or isinstance(kwargs.get("past_key_values"), SievedCache):
+            return
+        self._warned = True
+        warnings.warn(UNCOMPRESSED_FORWARD, UncompressedForwardWarning, stacklevel=3)
 
     def _generate(self, original: object, inputs: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
+        self._generating = True
+        try:
+            return self._compressed_generate(original, inputs, **kwargs)
+        finally:
+            self._generating = False
+
+    def _compressed_generate(self, original: object, inputs: torch.Tensor | None, **kwargs: object) -> torch.Tensor:
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
         if kwargs.get("past_key_values") is not None or not isinstance(input_ids, torch.Tensor):
             if kwargs.get("question_ids") is not None:

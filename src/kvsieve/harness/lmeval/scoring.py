@@ -1,0 +1,108 @@
+"""Log-likelihoods under eviction: continuations after a compressed context, whole documents in a bounded cache.
+
+`continuation_logprobs` is lm-eval's `loglikelihood` for one context and its continuations (the
+choices of a multiple-choice question): the context but its last token is compressed once
+(`kvsieve.runtime.decoding.compressed_prompt`, the path `generate` takes), the cache is copied into
+one row per continuation, and the last context token followed by each continuation is fed through
+it in one teacher-forced forward, so every continuation token is predicted from the evicted cache.
+Nothing is evicted during that forward. `rolling_logprob` is `loglikelihood_rolling`: the streaming
+perplexity protocol's feed (`kvsieve.harness.eval.streams`) through `kvsieve.bounded_cache`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ...runtime.attention import sieve_attention
+from ...runtime.cache import SievedCache
+from ...runtime.compress import bounded_cache_with
+from ...runtime.config import EvictionConfig
+from ...runtime.decoding import compressed_prompt
+from ..eval.streams import SievedStream, run_stream
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """lm-eval's answer to one loglikelihood request."""
+
+    logprob: float
+    greedy: bool  # every token is the argmax of its prediction
+
+
+def _fed_rows(last: torch.Tensor, continuations: Sequence[torch.Tensor], pad: int) -> torch.Tensor:
+    """`[n, width]`: the last context token, then each continuation but its last token, right-padded with `pad`."""
+    width = max(len(c) for c in continuations)
+    fed = torch.full((len(continuations), width), pad, dtype=torch.long, device=last.device)
+    fed[:, 0] = last
+    for row, tokens in enumerate(continuations):
+        fed[row, 1 : len(tokens)] = tokens[:-1]
+    return fed
+
+
+def _full_prefill(model: torch.nn.Module, ids: torch.Tensor) -> SievedCache:
+    """A cache holding every entry of `ids` (`[1, n]`, n may be 0)."""
+    cache = SievedCache.for_model(model)
+    if ids.shape[1]:
+        with sieve_attention(model):
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return cache
+
+
+@torch.no_grad()
+def continuation_logprobs(
+    model: torch.nn.Module,
+    config: EvictionConfig | None,
+    context: torch.Tensor,
+    continuations: Sequence[torch.Tensor],
+    question_start: int | None = None,
+) -> list[Continuation]:
+    """Score every continuation (1-D ids) after `context` (`[1, n]`, n >= 1) compressed as `config` says
+    (None: the full cache).
+
+    `question_start`: where the question begins in `context` (question-aware compression: the context
+    before it is compressed after the question is seen, and the question stays protected); None:
+    question-agnostic. Under a rate, a context too short to evict is not compressed (the rule of
+    `kvsieve.runtime.decoding`); the continuations then see the whole context.
+    """
+    if not continuations or any(len(c) == 0 for c in continuations):
+        raise ValueError("every loglikelihood request needs a non-empty continuation")
+    device = context.device
+    question = None
+    if question_start is not None:
+        context, question = context[:, :question_start], context[:, question_start:]
+    prompt = context if question is None else torch.cat([context, question], dim=-1)
+    cache = None
+    if config is not None:
+        cache = compressed_prompt(model, context, None, question, config.resolved, config.limit(), None)
+    if cache is None:  # the full cache, or a context too short to evict
+        cache = _full_prefill(model, prompt[:, :-1])
+    rows = cache if len(continuations) == 1 else cache.copy(rows=[0] * len(continuations))
+    fed = _fed_rows(prompt[0, -1], [c.to(device) for c in continuations], pad=0)
+    with sieve_attention(model):
+        logits = model(input_ids=fed, past_key_values=rows, use_cache=True).logits
+    logprobs = F.log_softmax(logits.float(), dim=-1)
+    scored = []
+    for row, tokens in enumerate(continuations):
+        predicted = logprobs[row, : len(tokens)]
+        tokens = tokens.to(device)
+        total = predicted.gather(-1, tokens[:, None]).sum()
+        scored.append(Continuation(float(total), bool((predicted.argmax(-1) == tokens).all())))
+    return scored
+
+
+def rolling_logprob(model: torch.nn.Module, config: EvictionConfig | None, ids: torch.Tensor, chunk: int) -> float:
+    """The log-probability of `ids[0, 1:]` (`[1, n]`, a prefix token first) fed `chunk` tokens per forward
+    through a cache bounded at `config`'s size plus its buffer (`kvsieve.bounded_cache`; None: the full cache)."""
+    if config is None:
+        cache = SievedCache.for_model(model)
+    elif config.sized and config.buffer is not None:
+        cache = bounded_cache_with(model, config.resolved, config.limit(), config.buffer)
+    else:
+        raise ValueError("rolling log-likelihood needs a bounded cache: give max_tokens or max_bytes, and a buffer")
+    trace = run_stream(ids, SievedStream(model, cache), chunk)
+    return -float(np.nansum(trace.nll))
