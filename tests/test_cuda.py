@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -86,3 +88,32 @@ def test_train_gates_runs_on_cuda_and_the_gates_evict_there(model_dir, tmp_path,
     cache = kvsieve.compress(model, ids, f"trimkv+global:gates={out}", rate=0.5)
     on_cpu = kvsieve.compress(load_model(str(model_dir))[0], ids.cpu(), f"trimkv+global:gates={out}", rate=0.5)
     assert cache.mean_stored() == on_cpu.mean_stored() < 80, "the same share is evicted on both devices"
+
+
+def _command_json(args: list[str], out) -> dict:
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("protocol", [[], ["--stream", "--max-tokens", "48", "--doc-tokens", "160", "--buffer", "16"]])
+def test_perplexity_on_cuda_equals_the_cpu(model_dir, tmp_path, protocol):
+    args = ["ppl", "--model", str(model_dir), "--docs", "2", "--policies", "snapkv", *protocol]
+    args += [] if protocol else ["--prefix", "64", "--continuation", "32", "--rates", "0.5"]
+    cpu = _command_json(args, tmp_path / "cpu.json")
+    cuda = _command_json([*args, "--device", "cuda"], tmp_path / "cuda.json")
+    for ours, theirs in zip(cuda["rows"], cpu["rows"], strict=True):
+        assert ours["ppl"] == pytest.approx(theirs["ppl"], rel=1e-3)
+
+
+def test_sweep_and_diagnose_run_on_cuda(model_dir, tmp_path):
+    common = ["--model", str(model_dir), "--tasks", "hops,niah_multikey_1", "--rates", "0.5", "--samples", "1"]
+    common += ["--length", "256", "--modes", "agnostic,aware", "--device", "cuda", "--dtype", "bfloat16"]
+    runner = CliRunner(env={"COLUMNS": "200"})
+    sweep = runner.invoke(
+        app, ["sweep", *common, "--policies", "snapkv,trimkv+global:gates=untrained", "--out", str(tmp_path / "s")]
+    )
+    assert sweep.exit_code == 0, sweep.output
+    diagnose = runner.invoke(app, ["diagnose", *common, "--scalars", "snapkv", "--out", str(tmp_path / "d")])
+    assert diagnose.exit_code == 0, diagnose.output
+    assert (tmp_path / "d" / "diagnostic.md").exists()

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -83,8 +84,40 @@ def _parsed(hint: str, parse: Callable[[], Any]) -> Any:
         raise typer.BadParameter(str(err), param_hint=hint) from None
 
 
+CPU = torch.device("cpu")
+DeviceOption = Annotated[str, typer.Option(help="where the model runs: cpu, cuda, cuda:1, mps")]
+DtypeOption = Annotated[str, typer.Option(help="the model's dtype: float32, bfloat16, float16")]
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """The model a command runs (`MODEL_HELP`; None: the default), on which device and in which dtype."""
+
+    name: str | None = None
+    device: torch.device = CPU
+    dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def parse(cls, name: str | None, device: str, dtype: str) -> ModelChoice:
+        """The choice from the command's options, checked before anything loads (clear errors naming the option)."""
+        return cls(
+            name, _parsed("--device", lambda: torch_device(device)), _parsed("--dtype", lambda: torch_dtype(dtype))
+        )
+
+    def load(self) -> tuple[Any, Any]:
+        return load_model(self.name, dtype=self.dtype, device=self.device)
+
+    def describe(self) -> dict[str, str]:
+        """What a results manifest records of it."""
+        return {
+            "model": self.name or DEFAULT_MODEL,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+
 def ppl_experiment(
-    model_name: str | None,
+    choice: ModelChoice,
     policies: list[str],
     rates: list[float],
     docs: int,
@@ -97,7 +130,7 @@ def ppl_experiment(
     """Load, sample documents (of `essays`, default all), run the protocol with a progress bar, print the table."""
     _parsed("--policies", lambda: [make_policy(p) for p in policies])
     _parsed("--rates", lambda: [check_rate(r) for r in rates])
-    model, tokenizer = model_and_tokenizer or load_model(model_name)
+    model, tokenizer = model_and_tokenizer or choice.load()
     documents = sample_documents(tokenizer, docs, prefix + continuation + 1, seed=seed, names=essays)
     with progress_bar("prefill once, sieve many") as progress:
         result = run_ppl(model, documents, policies, rates, prefix, continuation, progress=progress)
@@ -129,12 +162,12 @@ def _check_ppl_mode(stream: bool, given: dict[str, object]) -> None:
 
 
 def stream_experiment(
-    model_name: str | None, policies: str, budgets: list[int], docs: int, seed: int, options: dict[str, Any]
+    choice: ModelChoice, policies: str, budgets: list[int], docs: int, seed: int, options: dict[str, Any]
 ) -> dict[str, Any]:
     """Load, build the documents, check the plan (fails fast), run with a progress bar, print the table."""
     _parsed("--policies", lambda: parse_contenders(policies))
     _parsed("--max-tokens", lambda: [check_count("--max-tokens", b) for b in budgets])
-    model, tokenizer = load_model(model_name)
+    model, tokenizer = choice.load()
     documents = _parsed(
         "--doc-tokens", lambda: streaming_documents(tokenizer, docs, options["doc_tokens"], options["source"], seed)
     )
@@ -171,6 +204,8 @@ def ppl(
     continuation: Annotated[int, typer.Option(min=1, help="scored tokens per document (rates)")] = 512,
     seed: Annotated[int, typer.Option(help="document choice")] = 0,
     model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
     json_path: Annotated[Path | None, typer.Option("--json", help="write the results here")] = None,
     plot: Annotated[Path | None, typer.Option(help="PNG path (default: next to --json)")] = None,
     stream: Annotated[
@@ -191,14 +226,15 @@ def ppl(
     given = dict(zip(RATE_OPTIONS, (rates,), strict=True))
     given |= dict(zip(STREAM_OPTIONS, (max_tokens, buffer, doc_tokens, bucket, source, rows), strict=True))
     _check_ppl_mode(stream, given)
+    choice = ModelChoice.parse(model, device, dtype)
     if stream:
         options = {"buffer": buffer or DEFAULT_BUFFER, "doc_tokens": doc_tokens or DOC_TOKENS}
         options |= {"bucket": bucket or BUCKET, "source": source or SOURCES[0], "rows": rows or STREAM_ROWS_PER_PASS}
         budgets = _split(max_tokens, int)
-        report = stream_experiment(model, policies or ",".join(STREAM_POLICIES), budgets, docs, seed, options)
+        report = stream_experiment(choice, policies or ",".join(STREAM_POLICIES), budgets, docs, seed, options)
     else:
         rate_list, policy_list = _split(rates or DEFAULT_RATES, float), split_policies(policies or "importance,random")
-        report = ppl_experiment(model, policy_list, rate_list, docs, prefix, continuation, seed)
+        report = ppl_experiment(choice, policy_list, rate_list, docs, prefix, continuation, seed)
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2))
@@ -299,7 +335,7 @@ def demo(
 
     task_lines = demo_tasks(model, tokenizer, out / "tasks")
     report = ppl_experiment(
-        None,
+        ModelChoice(),
         list(DEMO_POLICIES),
         [0.5, 0.8, 0.9],
         docs,
@@ -360,6 +396,8 @@ def sweep(
         "results/sweep"
     ),
     model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
     chat: Annotated[bool | None, typer.Option("--chat/--no-chat", help="chat template (default: if any)")] = None,
     maps: Annotated[bool, typer.Option(help="eviction maps of each task's first sample at the top rate")] = True,
 ) -> None:
@@ -368,11 +406,12 @@ def sweep(
     contenders = _parsed("--policies", lambda: parse_contenders(policies))
     rate_list = _parsed("--rates", lambda: [check_rate(r) for r in _split(rates, float)])
     mode_list = _parsed("--modes", lambda: check_modes([m.strip() for m in modes.split(",") if m.strip()]))
-    lm, tokenizer = load_model(model)
+    choice = ModelChoice.parse(model, device, dtype)
+    lm, tokenizer = choice.load()
     items = task_samples(task_names, tokenizer, length=length, n=samples, seed=seed, chat=chat)
     out.mkdir(parents=True, exist_ok=True)
     manifest = {
-        "model": model or DEFAULT_MODEL,
+        **choice.describe(),
         "tasks": task_names,
         "policies": [c.name for c in contenders],
         "rates": rate_list,
@@ -436,6 +475,8 @@ def diagnose(
     seed: Annotated[int, typer.Option(help="sample generation")] = 0,
     out: Annotated[Path, typer.Option(help="results folder (a rerun resumes)")] = Path("results/diagnostic"),
     model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
 ) -> None:
     """Why a policy fails: margins, failure modes and fixes under one fixed contract (arXiv 2605.08234)."""
     task_names = _parsed("--tasks", lambda: resolve_tasks(tasks))
@@ -444,11 +485,12 @@ def diagnose(
     _parsed("--scalars", lambda: diagnostic_methods(scalar_list, fixed))
     rate_list = _parsed("--rates", lambda: [check_rate(r) for r in _split(rates, float)])
     mode_list = _parsed("--modes", lambda: check_modes([m.strip() for m in modes.split(",") if m.strip()]))
-    lm, tokenizer = load_model(model)
+    choice = ModelChoice.parse(model, device, dtype)
+    lm, tokenizer = choice.load()
     scalar_list = scalar_list if scalars else default_scalars(lm)
     items = task_samples(task_names, tokenizer, length=length, n=samples, seed=seed)
     out.mkdir(parents=True, exist_ok=True)
-    settings = {"model": model or DEFAULT_MODEL, "tasks": task_names, "scalars": scalar_list, "rates": rate_list}
+    settings = {**choice.describe(), "tasks": task_names, "scalars": scalar_list, "rates": rate_list}
     settings |= {"modes": mode_list, "contract": contract, "samples": samples, "length": length, "seed": seed}
     (out / DIAGNOSTIC_MANIFEST).write_text(json.dumps(settings, indent=2))
     with progress_bar("diagnose: one prefill per case, every contract evicts from it") as progress:
@@ -482,14 +524,16 @@ def eviction_map(
     mode: Annotated[str, typer.Option(help="agnostic or aware")] = "agnostic",
     seed: Annotated[int, typer.Option()] = 0,
     out: Annotated[Path, typer.Option(help="PNG path")] = Path("eviction_map.png"),
-    model: Annotated[str | None, typer.Option()] = None,
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
 ) -> None:
     """The eviction map of one sample: which (layer, kv-head) keeps which context token, evidence marked."""
     names = _parsed("--task", lambda: resolve_tasks(task))
     contender = _parsed("--policy", lambda: parse_contenders(policy)[-1])
     _parsed("--rate", lambda: check_rate(rate))
     _parsed("--mode", lambda: check_modes([mode]))
-    lm, tokenizer = load_model(model)
+    lm, tokenizer = ModelChoice.parse(model, device, dtype).load()
     sample = task_samples(names, tokenizer, length=length, n=index + 1, seed=seed)[index]
     path = write_eviction_map(lm, tokenizer, sample, contender, rate, mode, out)
     console.print(f"wrote {path}")
@@ -506,12 +550,14 @@ def allocation(
     out: Annotated[Path, typer.Option(help="PNG path (the numbers go to the same name .json)")] = Path(
         "allocation.png"
     ),
-    model: Annotated[str | None, typer.Option()] = None,
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
 ) -> None:
     """Where the budget goes: entries kept per (layer, kv-head) under the policy's allocator beside uniform."""
     _parsed("--policy", lambda: make_policy(policy))
     _parsed("--rate", lambda: check_rate(rate))
-    lm, tokenizer = load_model(model)
+    lm, tokenizer = ModelChoice.parse(model, device, dtype).load()
     if text is None:
         ids = sample_documents(tokenizer, 1, tokens, names=essay_split()[1])[0][1]
     else:
@@ -590,8 +636,8 @@ def train_gates_command(
     data: Annotated[
         Path | None, typer.Option(help="your corpus: a text file, a folder, or JSONL (default: bundled essays, tasks)")
     ] = None,
-    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:1, ...")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="the model's dtype: float32, bfloat16, float16")] = "float32",
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
     budget: Annotated[int | None, typer.Option(hidden=True, help="deprecated: --capacity")] = None,
 ) -> None:
     """Train retention gates (TrimKV / DBTrimKV) for a model on this machine; the model itself is not changed."""
@@ -601,8 +647,7 @@ def train_gates_command(
     settings["teacher_dtype"] = teacher_dtype
     config = _parsed("train-gates", lambda: TrainConfig(**settings))
     name = DEFAULT_MODEL if model == "default" else model
-    where_to = _parsed("--device", lambda: torch_device(device))
-    lm, tokenizer = load_model(name, dtype=_parsed("--dtype", lambda: torch_dtype(dtype)), device=where_to)
+    lm, tokenizer = ModelChoice.parse(name, device, dtype).load()
     if data is None:
         corpus = _parsed("--seq-len", lambda: training_data(tokenizer, config.seq_len, config.per_task, config.seed))
     else:

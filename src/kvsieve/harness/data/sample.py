@@ -94,6 +94,17 @@ class EncodedSample:
     def context_length(self) -> int:
         return int(self.context_ids.shape[1])
 
+    def to(self, device: torch.device | str) -> EncodedSample:
+        """The same sample with its token ids on `device` (the model's); evidence positions stay on the CPU,
+        where the routing diagnostics read them."""
+        return replace(
+            self,
+            context_ids=self.context_ids.to(device),
+            question_ids=self.question_ids.to(device),
+            gold_ids=self.gold_ids.to(device),
+            candidate_ids=tuple(ids.to(device) for ids in self.candidate_ids),
+        )
+
 
 def merge_spans(spans: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
     """Sorted, disjoint spans covering the same characters."""

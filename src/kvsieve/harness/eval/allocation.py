@@ -55,6 +55,7 @@ def budget_allocation(model: torch.nn.Module, input_ids: torch.Tensor, policy: s
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"budget_allocation reads one prompt [1, tokens], got shape {tuple(input_ids.shape)}")
     resolved = make_policy(policy)
+    input_ids = input_ids.to(model.device)
     cache = compress(model, input_ids, resolved, rate)
     uniform = compress(model, input_ids, dataclasses.replace(resolved, allocator=Uniform()), rate)
     layers = cache.full_layers

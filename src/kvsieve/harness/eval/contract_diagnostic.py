@@ -276,7 +276,7 @@ def run_diagnostic(
             todo = sum((sample_key(sample), mode, n, r) not in log for n, r in grid)
             if not todo:
                 continue
-            encoded = encoded or encode(sample, tokenizer, chat)
+            encoded = encoded or encode(sample, tokenizer, chat).to(model.device)
             case = sample_case(encoded, mode, needs, tokenizer)
             _run_case(model, tokenizer, encoded, mode, case, methods, rates, log)
             done += todo

@@ -39,12 +39,12 @@ def forced_tokens(kept: torch.Tensor, spans: Spans, forcing: Forcing) -> torch.T
     """Token positions a rule forces into one head that keeps the positions `kept` (sorted LongTensor)."""
     out = []
     for start, end in spans:
-        span = torch.arange(start, end)
+        span = torch.arange(start, end, device=kept.device)
         held = torch.isin(span, kept)
         whole, none = bool(held.all()), not bool(held.any())
         if forcing == "all" or (forcing == "evicted" and none) or (forcing == "partial" and not whole and not none):
             out.append(span[~held])
-    return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.long, device=kept.device)
 
 
 def swap_in(
@@ -83,11 +83,11 @@ class ForcedEviction:
         policy = self.base.policy
         if not isinstance(policy, Policy):
             raise TypeError("forced slots need a resolved Policy")
-        evidence = torch.cat([torch.arange(s, e) for s, e in self.spans]) if self.spans else torch.empty(0).long()
+        evidence = torch.tensor([p for s, e in self.spans for p in range(s, e)], dtype=torch.long)
         out = []
         for obs, per_head in zip(observations, self.base.kept_entries(observations, reserved), strict=True):
             protected = protected_mask(obs, policy.n_sink, policy.n_recent, self.base.protect_positions)
-            droppable = obs.valid_mask & ~protected & ~torch.isin(obs.positions, evidence)
+            droppable = obs.valid_mask & ~protected & ~torch.isin(obs.positions, evidence.to(obs.positions.device))
             swap_out = self.swap_out.score(obs)
             layer = []
             for h, keep in enumerate(per_head):

@@ -135,6 +135,7 @@ def run_ppl(
     group = 1 if reprefill else rows_per_pass
     start = time.perf_counter()
     for doc_index, (_, ids) in enumerate(documents):
+        ids = ids.to(model.device)
         case = Case(ids[:, :prefix], prefix, doc_index, needs)
         for first in range(0, len(configurations), group):
             batch = configurations[first : first + group]

@@ -369,7 +369,7 @@ def plan_streaming(
     contenders = parse_contenders(policies if isinstance(policies, str) else list(policies))
     budgets = _check_budgets(budgets)
     press_budgets = budgets if press_budgets is None else _check_budgets(press_budgets)
-    ids = _check_documents(documents, max(budgets + press_budgets))
+    ids = _check_documents(documents, max(budgets + press_budgets)).to(model.device)
     _preflight(model, contenders, min(budgets + press_budgets), buffer, ids)
     by_library = {"kvpress": press_budgets}
     configurations: list[tuple[CacheMethod, int | None]] = [(m, None) for m in contenders if m.is_full]

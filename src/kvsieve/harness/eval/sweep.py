@@ -124,7 +124,7 @@ def sample_survival(
     chat: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(survival [layers, kv_heads, n_context], evidence positions)` of one sample under one configuration."""
-    encoded = encode(sample, tokenizer, chat)
+    encoded = encode(sample, tokenizer, chat).to(model.device)
     case = sample_case(encoded, mode, prefill_needs([method], diagnostics=False), tokenizer)
     return build(model, case, [(method, rate)]).survival[0], encoded.evidence_positions
 
@@ -246,7 +246,7 @@ def run_sweep(
             todo = [(c, r) for c, r in configurations if (key, mode, c.name, r) not in log]
             if not todo:
                 continue
-            encoded = encoded or encode(sample, tokenizer, chat)
+            encoded = encoded or encode(sample, tokenizer, chat).to(model.device)
             case = sample_case(encoded, mode, needs, tokenizer)
             shared = 1 if reprefill else sum(c.builder.shares_prefill for c, _ in todo)  # configurations sharing it
             for batch in _passes(todo, 1 if reprefill else rows_per_pass):
