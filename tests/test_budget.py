@@ -28,6 +28,15 @@ def test_max_tokens_above_the_sequence_keeps_everything(model, ids):
     assert kvsieve.compress(model, ids[:, :N], "snapkv", max_tokens=500).stored_lengths() == [[N] * 2] * 3
 
 
+@pytest.mark.parametrize("spec", ["snapkv:window=64", "tova", "trimkv+global:gates=untrained", "random"])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_a_prompt_that_fits_the_size_is_kept_without_scoring(model, ids, spec, tokens):
+    """Nothing to evict: no scorer runs, so a prompt shorter than a scorer's window of queries is no error."""
+    cache = kvsieve.compress(model, ids[:, :tokens], spec, max_tokens=40)
+    assert cache.stored_lengths() == [[tokens] * 2] * 3
+    assert all(p.tolist() == list(range(tokens)) for layer in range(3) for p in cache.kept_positions(layer))
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_max_tokens_keeps_what_the_equivalent_rate_keeps(model, ids, spec):
     """A size budget changes how many entries stay, not which: 60 entries per head = rate 40/67 of the evictable."""

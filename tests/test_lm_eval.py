@@ -127,6 +127,14 @@ def test_choices_sharing_a_context_give_what_one_request_at_a_time_gives(model_d
     assert all(abs(a - f) > 1e-3 for (a, _), (f, _) in zip(together, full, strict=True))  # eviction did change them
 
 
+def test_empty_and_short_contexts_that_fit_the_size_score_as_the_full_cache(model_dir):
+    requests = _requests("loglikelihood", [("", " The sky is blue."), ("The", " sky"), (CONTEXT[:60], " The")])
+    bounded = _lm(model_dir, policy="snapkv", max_tokens=48).loglikelihood(requests)
+    full = _lm(model_dir, policy="full").loglikelihood(requests)
+    for (ours, greedy), (theirs, greedy_full) in zip(bounded, full, strict=True):
+        assert ours == pytest.approx(theirs, abs=1e-5) and greedy == greedy_full
+
+
 def test_question_aware_loglikelihood_protects_the_question(model_dir):
     aware = _lm(model_dir, policy="snapkv", rate=0.5, question_aware="true")
     logprob, _ = aware.loglikelihood(_requests("loglikelihood", [(PROMPT, " The sky")]))[0]

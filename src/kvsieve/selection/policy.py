@@ -84,7 +84,8 @@ class Policy:
         already have set aside what sliding-window layers hold (`Budget.reserve`). `spans`
         (`[n_tokens]`, a span id per token position of the sequence, e.g. its sentence number) is
         what the `Sentences` projection keeps whole; positions past its end are spans of their own.
-        Other projections ignore it. Each head keeps exactly the allocator's count of evictable entries.
+        Other projections ignore it. Each head keeps exactly the allocator's count of evictable entries;
+        when the budget keeps every one of them (a prompt that fits a size), nothing is scored.
         """
         budget = as_budget(budget)
         check_spans(spans)
@@ -98,6 +99,8 @@ class Policy:
         protected = [protected_mask(o, self.n_sink, self.n_recent, protect_positions) for o in observations]
         evictable = [o.valid_mask & ~p for o, p in zip(observations, protected, strict=True)]
         shares = budget.shares(evictable, protected, observations[0].entry_bytes)
+        if _keeps_everything(evictable, shares):
+            return [[o.valid_mask[h].nonzero().flatten() for h in range(o.num_kv_heads)] for o in observations]
         scores = [self._scores(o) for o in observations]
         counts = self.allocator.counts(scores, evictable, shares, calibrated=self.scorer.calibrated)
         return [
@@ -114,3 +117,12 @@ class Policy:
                 f"expected {(obs.num_kv_heads, obs.length)}"
             )
         return scores
+
+
+def _keeps_everything(evictable: Sequence[torch.Tensor], shares: Sequence[Sequence[int]]) -> bool:
+    """Whether every head's share covers all of its evictable entries (`[kv_heads, n]` masks per layer)."""
+    return all(
+        share >= n
+        for masks, per_head in zip(evictable, shares, strict=True)
+        for share, n in zip(per_head, masks.sum(dim=-1).tolist(), strict=True)
+    )
