@@ -165,7 +165,7 @@ def _allocated_bytes(cache: kvsieve.SievedCache) -> int:
     """Bytes of the distinct storages behind every layer's flat key and value buffers."""
     storages = {}
     for layer in cache.layers:
-        for tensor in (layer.segments.keys, layer.segments.values):
+        for tensor in layer.segments.data:
             storage = tensor.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
@@ -182,7 +182,7 @@ def test_ragged_cache_really_holds_only_the_kept_entries(spec):
     full = kvsieve.compress(model, ids, "snapkv", 0.0)
     cache = kvsieve.compress(model, ids, spec, 0.8)
     kept_entries = sum(map(sum, cache.stored_lengths()))
-    entry_bytes = 2 * cache.layers[0].segments.keys.shape[-1] * 4  # key + value, float32
+    entry_bytes = 2 * cache.layers[0].segments.data[0].shape[-1] * 4  # key + value, float32
     assert len({n for layer in cache.stored_lengths() for n in layer}) > 1
     assert cache.nbytes() == kept_entries * entry_bytes
     assert abs(_allocated_bytes(cache) - kept_entries * entry_bytes) <= 0.02 * kept_entries * entry_bytes

@@ -77,7 +77,7 @@ def test_evicted_tensors_are_released(model, ids):
     prefill = kvsieve.observe_prefill(model, ids)
     cache = prefill.cache
     del prefill
-    old = [weakref.ref(t) for layer in cache.layers for t in (layer.segments.keys, layer.segments.values)]
+    old = [weakref.ref(t) for layer in cache.layers for t in layer.segments.data]
     cache.evict([[[torch.arange(0, 120, 2)] * 2] * 3])
     gc.collect()
     assert all(r() is None for r in old)
@@ -99,7 +99,7 @@ def _buffer_bytes(cache: kvsieve.SievedCache) -> int:
     """Bytes of the distinct storages behind every layer's key and value buffers."""
     storages = {}
     for layer in cache.layers:
-        for tensor in (layer.segments.keys, layer.segments.values):
+        for tensor in layer.segments.data:
             storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
     return sum(storages.values())
 

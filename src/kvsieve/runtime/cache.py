@@ -24,6 +24,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..selection.architecture import layer_windows
+from .codecs import FULL_PRECISION, EntryCodec
 from .layout import AttentionTally, QueryLog, RaggedLayout, Recorder, active_scope
 from .segments import Segments, Slots
 from .sliding import SlidingLayer
@@ -55,13 +56,17 @@ class RaggedAttentionError(RuntimeError):
 
 
 class SievedLayer(CacheLayerMixin):
-    """One layer of a `SievedCache`: the entries of every (row, kv-head) and the number of tokens seen."""
+    """One layer of a `SievedCache`: the entries of every (row, kv-head) and the number of tokens seen.
+
+    `codec` says how entries are stored (`kvsieve.runtime.codecs`: full precision, or quantized).
+    """
 
     is_sliding = False
     is_compileable = False
 
-    def __init__(self) -> None:
+    def __init__(self, codec: EntryCodec = FULL_PRECISION) -> None:
         super().__init__()
+        self.codec = codec
         self.segments: Segments | None = None
         self.seen_tokens = 0
         self.contiguous = True
@@ -87,7 +92,7 @@ class SievedLayer(CacheLayerMixin):
             positions = torch.arange(self.seen_tokens, self.seen_tokens + q, device=key_states.device)
         positions = positions.long()
         if self.segments is None:
-            self.segments = Segments.from_dense(key_states, value_states, positions)
+            self.segments = Segments.from_dense(key_states, value_states, positions, self.codec)
         else:
             if key_states.shape[:2] != (self.segments.rows, self.segments.heads):
                 raise ValueError(
@@ -148,8 +153,11 @@ class SievedLayer(CacheLayerMixin):
         """Bytes of one stored entry's key and value."""
         return 0 if self.segments is None else self.segments.entry_bytes()
 
-    def keep(self, keep: Sequence[Sequence[torch.Tensor]], rows: Sequence[int]) -> SievedLayer:
-        """A new layer whose row `i` holds the entries `keep[i][h]` of kv-head `h` of row `rows[i]`."""
+    def keep(
+        self, keep: Sequence[Sequence[torch.Tensor]], rows: Sequence[int], codec: EntryCodec | None = None
+    ) -> SievedLayer:
+        """A new layer whose row `i` holds the entries `keep[i][h]` of kv-head `h` of row `rows[i]`, stored by
+        `codec` (default: as this layer stores them)."""
         if self.segments is None:
             raise ValueError("the cache layer is empty: prefill it before evicting")
         heads = self.segments.heads
@@ -166,11 +174,11 @@ class SievedLayer(CacheLayerMixin):
                 kept_all &= index.numel() == stored
                 sources.append(row * heads + h)
                 indices.append(index)
-        out = SievedLayer()
+        out = SievedLayer(codec or self.codec)
         out.dtype, out.device, out.is_initialized = self.dtype, self.device, True
         out.seen_tokens = self.seen_tokens
         out.contiguous = self.contiguous and kept_all
-        out.segments = self.segments.select(sources, indices, rows=len(rows))
+        out.segments = self.segments.select(sources, indices, rows=len(rows), codec=out.codec)
         return out
 
     def crop(self, max_length: int) -> None:
@@ -208,7 +216,7 @@ class SievedLayer(CacheLayerMixin):
         self.select_rows(indices.tolist())
 
     def reset(self) -> None:
-        self.__init__()
+        self.__init__(self.codec)
 
     def offload(self) -> None:
         raise NotImplementedError("SievedCache does not offload layers")
@@ -250,10 +258,11 @@ class SievedCache(Cache):
         self.growth: Growth | None = None  # set by `compress` for a size budget with a buffer
 
     @classmethod
-    def for_model(cls, model: PreTrainedModel) -> SievedCache:
-        """An empty cache with one layer per decoder layer of `model`: evictable for full attention, the
-        model's rolling window for sliding-window attention (as `transformers`' `DynamicCache(config)`)."""
-        return cls([SievedLayer() if window is None else SlidingLayer(window) for window in layer_windows(model)])
+    def for_model(cls, model: PreTrainedModel, codec: EntryCodec = FULL_PRECISION) -> SievedCache:
+        """An empty cache with one layer per decoder layer of `model`: evictable for full attention (its entries
+        stored by `codec`), the model's rolling window for sliding-window attention (as `transformers`'
+        `DynamicCache(config)`; windows stay in the model's dtype)."""
+        return cls([SievedLayer(codec) if window is None else SlidingLayer(window) for window in layer_windows(model)])
 
     @property
     def full_layers(self) -> list[int]:
@@ -330,7 +339,9 @@ class SievedCache(Cache):
         scorer reads them during generation."""
         return sum(layer.allocated_nbytes() for layer in self.layers)
 
-    def keep(self, keep: KeepIndices, rows: Sequence[int] | None = None) -> SievedCache:
+    def keep(
+        self, keep: KeepIndices, rows: Sequence[int] | None = None, codec: EntryCodec | None = None
+    ) -> SievedCache:
         """A new cache holding only the given stored entries (without `growth`); the original is left as it is.
 
         Args:
@@ -338,9 +349,10 @@ class SievedCache(Cache):
                 full-attention layer (`full_layers[j]`); sliding-window layers keep their window.
             rows: the source sequence of each output row (default: row `i` from row `i`); a
                 sequence may appear several times, so one prefill becomes a batch of evictions.
+            codec: how the kept entries are stored (`kvsieve.runtime.codecs`; default: as they are).
         """
         rows = list(range(len(keep))) if rows is None else list(rows)
-        return SievedCache(self._kept_layers(keep, rows, copy_windows=True))
+        return SievedCache(self._kept_layers(keep, rows, copy_windows=True, codec=codec))
 
     def evict(self, keep: KeepIndices) -> None:
         """Keep only the given stored entries of every row, in place; the dropped tensors are released.
@@ -349,7 +361,9 @@ class SievedCache(Cache):
             raise ValueError(f"evict takes keep indices for every row ({self.batch_size}), got {len(keep)}")
         self.layers = self._kept_layers(keep, list(range(len(keep))), copy_windows=False)
 
-    def _kept_layers(self, keep: KeepIndices, rows: list[int], copy_windows: bool) -> list[SievedLayer | SlidingLayer]:
+    def _kept_layers(
+        self, keep: KeepIndices, rows: list[int], copy_windows: bool, codec: EntryCodec | None = None
+    ) -> list[SievedLayer | SlidingLayer]:
         """Every layer, its full-attention ones holding only the kept entries of `rows`."""
         if len(rows) != len(keep):
             raise ValueError(f"got keep indices for {len(keep)} rows but {len(rows)} source rows")
@@ -363,7 +377,7 @@ class SievedCache(Cache):
         return [
             (layer.select(rows) if copy_windows else layer)
             if layer.is_sliding
-            else layer.keep([per_layer[column[idx]] for per_layer in keep], rows)
+            else layer.keep([per_layer[column[idx]] for per_layer in keep], rows, codec)
             for idx, layer in enumerate(self.layers)
         ]
 

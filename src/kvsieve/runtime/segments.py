@@ -1,11 +1,15 @@
 """Ragged storage of one cache layer: one segment of entries per (sequence, kv-head), packed in flat buffers.
 
-Segment `s = row * heads + head` owns rows `[starts[s], starts[s] + lengths[s])` of three flat
-buffers: keys and values `[capacity, head_dim]` and the entries' cache positions `[capacity]`.
+Segment `s = row * heads + head` owns rows `[starts[s], starts[s] + lengths[s])` of the flat
+buffers: the entries' keys and values as the layer's codec stores them (`kvsieve.runtime.codecs`:
+the tensors themselves, or quantized codes and their scales; one row per entry, `data`) and their
+cache positions `[capacity]`.
 A segment may have free room after its entries (`capacity[s] - lengths[s]`), handed out when
 decoding outgrows it: `GROWTH` of its length, at least `BLOCK` entries, so the room stays
 within 2% of the entries plus one block per head while moves stay rare. The buffers end with
-one *null entry* (zero key and value, position `PAD_POSITION`) that padded views point at.
+one *null entry* (all zeros, which every codec reads as a zero key and value; position
+`PAD_POSITION`) that padded views point at. Padded views are read back into keys and values in the
+layer's dtype (for full precision, the buffers themselves).
 
 Two layouts, chosen by the lengths: when every segment holds as many entries (and has as much
 room), the buffers are a grid `[rows, heads, capacity, head_dim]` and a padded view of them is
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..selection.observation import entry_bytes
+from .codecs import FULL_PRECISION, EntryCodec
 
 #: Position of the padding slots in padded views: after every real position, so causal masks hide them.
 PAD_POSITION = torch.iinfo(torch.long).max
@@ -68,7 +72,7 @@ class Slots:
 @dataclass(frozen=True)
 class PaddedView:
     """Every segment's entries, left-aligned and padded to the longest: keys and values
-    `[rows, heads, length, head_dim]` (padding slots hold zeros) and their `Slots`."""
+    `[rows, heads, length, head_dim]` in the layer's dtype (padding slots hold zeros) and their `Slots`."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -80,77 +84,93 @@ def _exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
 
 
 def _buffers(
-    entries: int, like: torch.Tensor, value_dim: int, *, zeroed: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Key and value buffers and `PAD_POSITION` positions for `entries` rows plus the null entry.
+    entries: int, like: Sequence[torch.Tensor], *, zeroed: bool
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Data buffers shaped as `like`'s rows, and `PAD_POSITION` positions, for `entries` rows plus the null entry.
 
     The null entry is always zero; the other rows are zeroed only if `zeroed` (free room must hold
     zeros, since padded views read it); otherwise the caller writes every one of them.
     """
-    make = like.new_zeros if zeroed else like.new_empty
-    keys, values = make(entries + 1, like.shape[-1]), make(entries + 1, value_dim)
-    keys[-1], values[-1] = 0, 0
-    positions = torch.full((entries + 1,), PAD_POSITION, dtype=torch.long, device=like.device)
-    return keys, values, positions
+    data = tuple((b.new_zeros if zeroed else b.new_empty)(entries + 1, b.shape[-1]) for b in like)
+    for buffer in data:
+        buffer[-1] = 0
+    positions = torch.full((entries + 1,), PAD_POSITION, dtype=torch.long, device=like[0].device)
+    return data, positions
 
 
 class Segments:
-    """The entries of one layer, stored per (row, kv-head) with their cache positions."""
+    """The entries of one layer, stored per (row, kv-head) with their cache positions.
+
+    Attributes:
+        data: the row-aligned buffers the `codec` stores keys and values in (full precision: keys, values).
+        dtype: the dtype keys and values are read back in (the model's).
+    """
 
     def __init__(
         self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
+        data: tuple[torch.Tensor, ...],
         positions: torch.Tensor,
         lengths: Sequence[int],
         capacity: Sequence[int],
         rows: int,
+        codec: EntryCodec = FULL_PRECISION,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.rows = rows
         self.heads = len(lengths) // rows
+        self.codec = codec
+        self.dtype = data[0].dtype if dtype is None else dtype
         self.received: torch.Tensor | None = None  # attention received per entry and query head (on demand)
-        self._assign(keys, values, positions, lengths, capacity)
+        self._assign(data, positions, lengths, capacity)
 
     def _assign(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        positions: torch.Tensor,
-        lengths: Sequence[int],
-        capacity: Sequence[int],
+        self, data: tuple[torch.Tensor, ...], positions: torch.Tensor, lengths: Sequence[int], capacity: Sequence[int]
     ) -> None:
-        self.keys, self.values, self.positions = keys, values, positions
+        self.data, self.positions = data, positions
         self.lengths, self.capacity = list(lengths), list(capacity)
         self.free = min(c - n for c, n in zip(self.capacity, self.lengths, strict=True))
-        device = keys.device
+        device = positions.device
         capacity_t = torch.tensor(self.capacity, dtype=torch.long, device=device)
         self.starts = _exclusive_cumsum(capacity_t)
         self.grid = len(set(self.capacity)) == 1 and len(set(self.lengths)) == 1
         if self.grid:
             shape = (self.rows, self.heads, self.capacity[0])
-            self._grids = (keys[:-1].view(*shape, -1), values[:-1].view(*shape, -1), positions[:-1].view(shape))
+            self._grids = tuple(buffer[:-1].view(*shape, -1) for buffer in data)
+            self._position_grid = positions[:-1].view(shape)
             return
         lengths_t = torch.tensor(self.lengths, dtype=torch.long, device=device)
         width = max(self.capacity)
         slot = torch.arange(width, device=device)
         self.slots = torch.where(slot < capacity_t[:, None], self.starts[:, None] + slot, self.null_index)
         valid = slot < lengths_t[:, None]
-        self.bias = torch.zeros(valid.shape, dtype=keys.dtype, device=device).masked_fill_(~valid, float("-inf"))
+        self.bias = torch.zeros(valid.shape, dtype=self.dtype, device=device).masked_fill_(~valid, float("-inf"))
         # the next free buffer row and the next free flat bias slot of every segment
         self._cursor = torch.stack((self.starts, torch.arange(self.segments, device=device) * width)) + lengths_t
 
     @classmethod
-    def unfilled(cls, lengths: Sequence[int], rows: int, like: torch.Tensor, value_dim: int) -> Segments:
-        """Exactly-sized segments (no free room) whose entries the caller writes, every one of them."""
-        return cls(*_buffers(sum(lengths), like, value_dim, zeroed=False), lengths, lengths, rows)
+    def unfilled(
+        cls,
+        lengths: Sequence[int],
+        rows: int,
+        like: Sequence[torch.Tensor],
+        codec: EntryCodec = FULL_PRECISION,
+        dtype: torch.dtype | None = None,
+    ) -> Segments:
+        """Exactly-sized segments (no free room) whose entries the caller writes, every one of them; data buffers
+        shaped as the rows of `like`."""
+        return cls(*_buffers(sum(lengths), like, zeroed=False), lengths, lengths, rows, codec, dtype)
 
     @classmethod
-    def from_dense(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> Segments:
+    def from_dense(
+        cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, codec: EntryCodec = FULL_PRECISION
+    ) -> Segments:
         """Store `[rows, heads, n, d]` states at cache positions `[n]`: every segment holds all `n` entries."""
         rows, heads, n, _ = keys.shape
-        out = cls.unfilled([n] * rows * heads, rows, keys, values.shape[-1])
-        for grid, states in zip(out._grids, (keys, values, positions), strict=True):
+        encoded = codec.encode(keys, values)
+        out = cls.unfilled([n] * rows * heads, rows, encoded, codec, keys.dtype)
+        for grid, states in zip(out._grids, encoded, strict=True):
             grid.copy_(states)
+        out._position_grid.copy_(positions)
         return out
 
     @property
@@ -159,48 +179,51 @@ class Segments:
 
     @property
     def null_index(self) -> int:
-        return self.keys.shape[0] - 1
+        return self.positions.shape[0] - 1
 
     @property
     def max_length(self) -> int:
         return max(self.lengths)
 
     def entry_bytes(self) -> int:
-        """Bytes of one stored entry's key and value."""
-        return entry_bytes(self.keys, self.values)
+        """Bytes of one stored entry's key and value, as the codec stores them (codes and scales, if quantized)."""
+        return sum(buffer.shape[-1] * buffer.element_size() for buffer in self.data)
 
     def nbytes(self) -> int:
         """Bytes of the stored keys and values."""
         return sum(self.lengths) * self.entry_bytes()
 
     def allocated_nbytes(self) -> int:
-        """Bytes of the key and value buffers (free room and the null entry included) and of `received`."""
+        """Bytes of the data buffers (free room and the null entry included) and of `received`."""
         tally = 0 if self.received is None else self.received.untyped_storage().nbytes()
-        return self.keys.untyped_storage().nbytes() + self.values.untyped_storage().nbytes() + tally
+        return sum(buffer.untyped_storage().nbytes() for buffer in self.data) + tally
 
     def segment(self, row: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keys `[n, d]`, values `[n, d]` and positions `[n]` of one segment (views)."""
+        """Keys `[n, d]`, values `[n, d]` and positions `[n]` of one segment (views, when stored in full precision)."""
         s = row * self.heads + head
         start = int(self.starts[s])
         stop = start + self.lengths[s]
-        return self.keys[start:stop], self.values[start:stop], self.positions[start:stop]
+        keys, values = self.codec.decode(tuple(buffer[start:stop] for buffer in self.data), self.dtype)
+        return keys, values, self.positions[start:stop]
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Append `[rows, heads, q, d]` states at cache positions `[q]` to every segment."""
         q = keys.shape[2]
         if self.free < q:
             self._relayout(q)
+        encoded = self.codec.encode(keys, values)
         if self.grid:
             n = self.lengths[0]
-            for grid, states in zip(self._grids, (keys, values, positions), strict=True):
+            for grid, states in zip(self._grids, encoded, strict=True):
                 grid.narrow(2, n, q).copy_(states)
+            self._position_grid.narrow(2, n, q).copy_(positions)
         else:
             cursor = self._cursor[:, :, None]
             if q > 1:
-                cursor = cursor + torch.arange(q, device=self.keys.device)
+                cursor = cursor + torch.arange(q, device=self.positions.device)
             target, filled = cursor.flatten(1)
-            self.keys.index_copy_(0, target, keys.reshape(-1, keys.shape[-1]))
-            self.values.index_copy_(0, target, values.reshape(-1, values.shape[-1]))
+            for buffer, states in zip(self.data, encoded, strict=True):
+                buffer.index_copy_(0, target, states.reshape(-1, states.shape[-1]))
             self.positions.index_copy_(0, target, positions.expand(self.segments, q).flatten())
             self.bias.view(-1).index_fill_(0, filled, 0.0)
             self._cursor += q
@@ -210,45 +233,54 @@ class Segments:
     def _relayout(self, incoming: int) -> None:
         """Move the entries into new buffers that give every segment room for `incoming` more, plus growth room."""
         capacity = [n + incoming + max(BLOCK, math.floor(GROWTH * (n + incoming))) for n in self.lengths]
-        buffers = _buffers(sum(capacity), self.keys, self.values.shape[-1], zeroed=True)
-        starts = _exclusive_cumsum(torch.tensor(capacity, dtype=torch.long, device=self.keys.device))
+        data, positions = _buffers(sum(capacity), self.data, zeroed=True)
+        device = positions.device
+        starts = _exclusive_cumsum(torch.tensor(capacity, dtype=torch.long, device=device))
         # every buffer row of a segment (entries, then zeroed room) moves by the same offset
-        old_capacity = torch.tensor(self.capacity, dtype=torch.long, device=self.keys.device)
+        old_capacity = torch.tensor(self.capacity, dtype=torch.long, device=device)
         shift = torch.repeat_interleave(starts - self.starts, old_capacity, output_size=self.null_index)
-        target = torch.arange(self.null_index, device=self.keys.device) + shift
-        for old, new in zip((self.keys, self.values, self.positions), buffers, strict=True):
+        target = torch.arange(self.null_index, device=device) + shift
+        for old, new in zip((*self.data, self.positions), (*data, positions), strict=True):
             new.index_copy_(0, target, old[:-1])
         if self.received is not None:
-            received = self.received.new_zeros(buffers[0].shape[0], self.received.shape[1])
+            received = self.received.new_zeros(positions.shape[0], self.received.shape[1])
             self.received = received.index_copy_(0, target, self.received[:-1])
-        self._assign(*buffers, self.lengths, capacity)
+        self._assign(data, positions, self.lengths, capacity)
 
     def padded(self) -> PaddedView:
         """Every segment padded: to its length for a grid (free), to the widest room otherwise (gathered)."""
         if self.grid:
             length = self.lengths[0]
-            keys, values, positions = (grid.narrow(2, 0, length) for grid in self._grids)
-            return PaddedView(keys, values, Slots(None, positions, None))
+            keys, values = self.codec.decode(tuple(grid.narrow(2, 0, length) for grid in self._grids), self.dtype)
+            return PaddedView(keys, values, Slots(None, self._position_grid.narrow(2, 0, length), None))
         shape = (self.rows, self.heads, self.slots.shape[1])
         index = self.slots.view(-1)
-        return PaddedView(
-            keys=self.keys.index_select(0, index).view(*shape, -1),
-            values=self.values.index_select(0, index).view(*shape, -1),
-            slots=Slots(self.bias.view(shape), self.positions, index),
-        )
+        gathered = tuple(buffer.index_select(0, index).view(*shape, -1) for buffer in self.data)
+        keys, values = self.codec.decode(gathered, self.dtype)
+        return PaddedView(keys, values, Slots(self.bias.view(shape), self.positions, index))
 
-    def select(self, sources: Sequence[int], indices: Sequence[torch.Tensor], rows: int) -> Segments:
-        """New exactly-sized segments: output segment `i` keeps entries `indices[i]` of segment `sources[i]`."""
-        device = self.keys.device
+    def select(
+        self, sources: Sequence[int], indices: Sequence[torch.Tensor], rows: int, codec: EntryCodec | None = None
+    ) -> Segments:
+        """New exactly-sized segments: output segment `i` keeps entries `indices[i]` of segment `sources[i]`.
+
+        With another `codec`, the kept entries are read back and stored by it (full precision into
+        quantized: compressing a prefill into fewer bits); otherwise their buffers are copied as they are.
+        """
+        device = self.positions.device
         pieces = [
             index.to(device=device, dtype=torch.long) + self.starts[source]
             for source, index in zip(sources, indices, strict=True)
         ]
         lengths = [int(p.numel()) for p in pieces]
         flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long, device=device)
-        out = Segments.unfilled(lengths, rows, self.keys, self.values.shape[-1])
-        for old, new in ((self.keys, out.keys), (self.values, out.values), (self.positions, out.positions)):
-            new[:-1] = old.index_select(0, flat)
+        kept = tuple(buffer.index_select(0, flat) for buffer in self.data)
+        if codec is not None and codec != self.codec:
+            kept = codec.encode(*self.codec.decode(kept, self.dtype))
+        out = Segments.unfilled(lengths, rows, kept, codec or self.codec, self.dtype)
+        for new, rows_kept in zip(out.data, kept, strict=True):
+            new[:-1] = rows_kept
+        out.positions[:-1] = self.positions.index_select(0, flat)
         if self.received is not None:
             out.received = torch.cat([self.received.index_select(0, flat), self.received.new_zeros(1, self.group)])
         return out
