@@ -31,6 +31,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from kvsieve.runtime.codecs import EntryCodec
 from tokenizer import VOCAB_SIZE, tiny_tokenizer
 
 REFERENCE_ATTENTION = "kvsieve_test_masked_reference"
@@ -154,6 +155,8 @@ _ALLOWED: dict[int, list[torch.Tensor]] = {}
 # received[layer] -> [q_heads, positions] float64: attention each key position received, while tallying
 _RECEIVED: dict[int, torch.Tensor] = {}
 TALLY = "tally"
+# the codec whose stored entries full-attention layers read (None: the entries as computed)
+_STORED: dict[str, EntryCodec | None] = {"codec": None}
 
 
 def _masked_reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -162,6 +165,9 @@ def _masked_reference_attention(module, query, key, value, attention_mask, dropo
     _, n_heads, q_len, _ = query.shape
     n_kv, kv_len = key.shape[1], key.shape[2]
     group = n_heads // n_kv
+    codec = _STORED["codec"]
+    if codec is not None and kwargs.get("sliding_window") is None:  # what a quantized cache holds, read back
+        key, value = codec.decode(codec.encode(key, value), key.dtype)
     key_pos = torch.arange(kv_len, device=query.device)
     query_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)
     out = torch.empty_like(query)
@@ -195,10 +201,16 @@ class MaskedReference:
 
     `kept`: per layer (a list) or for some layers (a dict: the full-attention layers of a model with
     sliding-window ones), the positions each kv-head keeps; sliding layers keep the sliding mask.
+    `codec`: full-attention layers read every key and value as that codec stores them (encoded and
+    decoded again, in the model's dtype), as a quantized `SievedCache` does; the prefix is prefilled
+    from the entries as computed, as `kvsieve.compress` prefills.
     """
 
-    def __init__(self, model: PreTrainedModel, prefix: torch.Tensor, kept: Kept) -> None:
+    def __init__(
+        self, model: PreTrainedModel, prefix: torch.Tensor, kept: Kept, codec: EntryCodec | None = None
+    ) -> None:
         self.model = model
+        self.codec = codec
         self.prefix_len = prefix.shape[1]
         self.allowed = {}
         for layer, heads in _by_layer(kept):
@@ -237,10 +249,12 @@ class MaskedReference:
         self.model.set_attn_implementation(REFERENCE_ATTENTION)
         _ALLOWED.clear()
         _ALLOWED.update(self.allowed)
+        _STORED["codec"] = self.codec
         return self
 
     def __exit__(self, *exc: object) -> None:
         _ALLOWED.clear()
+        _STORED["codec"] = None
         self.model.set_attn_implementation(self._previous)
 
 

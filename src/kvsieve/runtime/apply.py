@@ -50,6 +50,7 @@ class SieveHandle:
         self.model = model
         self.config = config
         self.last_cache: SievedCache | None = None
+        self.codec = config.codec(model)
         self._generating = False
         self._warned = False
         self._scope = ExitStack()
@@ -87,7 +88,14 @@ class SieveHandle:
             return original(input_ids, **kwargs)
         config = self.config
         out, self.last_cache = generate_compressed(
-            self.model, original, input_ids, config.resolved, config.limit(), config.generation_buffer(), **kwargs
+            self.model,
+            original,
+            input_ids,
+            config.resolved,
+            config.limit(),
+            config.generation_buffer(),
+            codec=self.codec,
+            **kwargs,
         )
         return out
 

@@ -16,12 +16,15 @@ full-precision residual and no regrouping after an eviction, so they are what kv
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 import torch
 
+from ..selection.architecture import kv_geometry
 from ..selection.errors import PolicyError
+from ..selection.observation import Observation
 
 #: Bits per number a quantized cache may store; 16 means the model's own dtype (no quantization).
 KV_BITS = (2, 4, 8, 16)
@@ -32,12 +35,13 @@ DEFAULT_GROUP = 32
 class EntryCodec(Protocol):
     """Stores keys `[..., d]` and values `[..., dv]` as row-aligned buffers `[..., width]`, and reads them back."""
 
-    #: whether reading returns exactly what was stored (the buffers are the keys and values)
-    exact: ClassVar[bool]
-
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
 
     def decode(self, buffers: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def entry_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes one entry (key and value of `head_dim` channels each, computed in `dtype`) is stored in."""
+        ...
 
     def check(self, head_dim: int) -> None:
         """A clear error if this codec cannot store heads of `head_dim` channels."""
@@ -48,13 +52,14 @@ class EntryCodec(Protocol):
 class FullPrecision:
     """Keys and values as the model computed them (`kv_bits=16`): the buffers are the tensors themselves."""
 
-    exact: ClassVar[bool] = True
-
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return keys, values
 
     def decode(self, buffers: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return buffers[0], buffers[1]
+
+    def entry_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * head_dim * dtype.itemsize
 
     def check(self, head_dim: int) -> None:
         return None
@@ -73,7 +78,6 @@ class Quantized:
 
     bits: int
     group: int = DEFAULT_GROUP
-    exact: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.bits not in KV_BITS[:-1]:
@@ -84,6 +88,9 @@ class Quantized:
     @property
     def per_byte(self) -> int:
         return 8 // self.bits
+
+    def entry_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * (head_dim * self.bits // 8 + 2 * (head_dim // self.group) * dtype.itemsize)
 
     def check(self, head_dim: int) -> None:
         if head_dim % self.group:
@@ -128,6 +135,19 @@ class Quantized:
         if self.bits == 8:
             return packed
         return ((packed[..., None] >> self._shifts(packed.device)) & (2**self.bits - 1)).flatten(-2)
+
+
+def stored_entry_bytes(codec: EntryCodec, observations: Sequence[Observation]) -> int | None:
+    """Bytes `codec` stores one of the observed entries in (None when no layer is observed)."""
+    if not observations:
+        return None
+    keys = observations[0].keys
+    return codec.entry_bytes(keys.shape[-1], keys.dtype)
+
+
+def codec_for(model: torch.nn.Module, kv_bits: int = 16, kv_group: int | None = None) -> EntryCodec:
+    """`make_codec` checked against the model's head dimension (a clear error before any work)."""
+    return make_codec(kv_bits, kv_group, kv_geometry(model)[1])
 
 
 def make_codec(kv_bits: int = 16, kv_group: int | None = None, head_dim: int | None = None) -> EntryCodec:

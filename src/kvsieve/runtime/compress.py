@@ -16,6 +16,7 @@ from ..selection.protection import question_protection
 from ..selection.spec import make_policy
 from .attention import sieve_attention
 from .cache import SievedCache
+from .codecs import FULL_PRECISION, EntryCodec, codec_for, stored_entry_bytes
 from .growth import DEFAULT_BUFFER, BoundedGrowth
 from .inputs import check_input_ids
 from .prefill import Prefill, observe_prefill
@@ -55,6 +56,8 @@ def compress(
     question_ids: torch.Tensor | None = None,
     protect_positions: torch.Tensor | None = None,
     spans: torch.Tensor | None = None,
+    kv_bits: int = 16,
+    kv_group: int | None = None,
     **policy_params: object,
 ) -> SievedCache:
     """Prefill `input_ids` and return a cache that holds what the budget allows of each sequence.
@@ -97,11 +100,16 @@ def compress(
             sequence's real tokens, the same for every row) or `[batch, tokens]` (the shape of
             `input_ids`, padding columns ignored). Positions past the spans (a question, generated
             tokens) are spans of their own. Other projections ignore it.
+        kv_bits: bits per number the kept entries are stored in: 16 (the model's dtype), 8, 4 or 2
+            (`kvsieve.runtime.codecs.Quantized`: each key and value on its own, a scale and a minimum per
+            `kv_group` channels, default 32); `max_bytes` counts those bytes. The prefill and its
+            scoring read the entries before quantization; later forwards read them dequantized.
         policy_params: scorer and allocator parameters, the protection (`n_sink`, `n_recent`) and the
             projection (`projection`: ``topk``, ``chunk``, ``sentence``; `chunk_size` for ``chunk``).
     """
     budget = make_budget(rate, max_tokens, max_bytes)
     resolved = make_policy(policy, allocator, **policy_params)
+    codec = codec_for(model, kv_bits, kv_group)
     return compress_with(
         model,
         input_ids,
@@ -113,6 +121,7 @@ def compress(
         question_ids=question_ids,
         protect_positions=protect_positions,
         spans=spans,
+        codec=codec,
     )
 
 
@@ -128,8 +137,10 @@ def compress_with(
     question_ids: torch.Tensor | None = None,
     protect_positions: torch.Tensor | None = None,
     spans: torch.Tensor | None = None,
+    codec: EntryCodec = FULL_PRECISION,
 ) -> SievedCache:
-    """`compress` with the policy and the budget already built (`make_policy`, `make_budget`)."""
+    """`compress` with the policy, the budget and the codec already built (`make_policy`, `make_budget`,
+    `codec_for`)."""
     check_input_ids(model, input_ids)
     refuse_unevictable(model, budget)
     row_spans = spans_per_row(spans, input_ids, attention_mask)
@@ -147,7 +158,8 @@ def compress_with(
     prefill = observe_prefill(model, first, policy.needs, attention_mask=attention_mask)
     if growth is not None:
         growth.start(prefill)
-    cache = prefill.cache.keep(_kept_per_row(prefill, policy, budget, protect_positions, row_spans))
+    kept = _kept_per_row(prefill, policy, budget, protect_positions, row_spans, codec)
+    cache = prefill.cache.keep(kept, codec=codec)
     if growth is not None:
         if chunk is not None and input_ids.shape[1] > chunk:
             _feed_chunks(model, cache, growth, input_ids[:, chunk:], chunk)
@@ -160,19 +172,21 @@ def _kept_per_row(
     policy: Policy,
     limit: Budget,
     protect: torch.Tensor | None,
-    spans: Sequence[torch.Tensor] | None = None,
+    spans: Sequence[torch.Tensor] | None,
+    codec: EntryCodec,
 ) -> list[list[list[torch.Tensor]]]:
     """Stored indices every row of `prefill` keeps; a policy error names the row of a batch.
 
-    A byte budget pays for the sliding-window layers' windows first (`Budget.reserve`). `spans`:
-    each row's span ids over its real tokens (`spans_per_row`).
+    A byte budget pays for the sliding-window layers' windows first (`Budget.reserve`) and counts
+    entries as `codec` stores them. `spans`: each row's span ids over its real tokens (`spans_per_row`).
     """
     limit = limit.reserve(prefill.cache.window_nbytes())
     keep = []
     for row, observations in enumerate(prefill.observations):
         try:
             row_spans = None if spans is None else spans[row]
-            keep.append(prefill.stored(row, policy.select(observations, limit, protect, row_spans)))
+            stored = stored_entry_bytes(codec, observations)
+            keep.append(prefill.stored(row, policy.select(observations, limit, protect, row_spans, stored)))
         except PolicyError as err:
             if len(prefill.observations) == 1:
                 raise
@@ -261,6 +275,8 @@ def bounded_cache(
     max_bytes: int | None = None,
     buffer: int = DEFAULT_BUFFER,
     allocator: str | None = None,
+    kv_bits: int = 16,
+    kv_group: int | None = None,
     **policy_params: object,
 ) -> SievedCache:
     """An empty cache that holds a size budget from its first token on: feed it a stream of any length.
@@ -276,17 +292,20 @@ def bounded_cache(
         policy, allocator, policy_params: as for `compress`.
         max_tokens, max_bytes: the size (one of them), as for `compress`.
         buffer: entries per (layer, kv-head) the cache grows past the budget before it is evicted.
+        kv_bits, kv_group: how entries are stored, as for `compress` (every entry, from the first token).
     """
     if max_tokens is None and max_bytes is None:
         raise PolicyError("a bounded cache needs a size: max_tokens or max_bytes")
-    return bounded_cache_with(
-        model, make_policy(policy, allocator, **policy_params), make_budget(None, max_tokens, max_bytes), buffer
-    )
+    resolved = make_policy(policy, allocator, **policy_params)
+    budget = make_budget(None, max_tokens, max_bytes)
+    return bounded_cache_with(model, resolved, budget, buffer, codec_for(model, kv_bits, kv_group))
 
 
-def bounded_cache_with(model: torch.nn.Module, policy: Policy, budget: SizeBudget, buffer: int) -> SievedCache:
-    """`bounded_cache` with the policy and the size already built."""
+def bounded_cache_with(
+    model: torch.nn.Module, policy: Policy, budget: SizeBudget, buffer: int, codec: EntryCodec = FULL_PRECISION
+) -> SievedCache:
+    """`bounded_cache` with the policy, the size and the codec already built."""
     refuse_unevictable(model, budget)
-    cache = SievedCache.for_model(model)
+    cache = SievedCache.for_model(model, codec)
     cache.growth = BoundedGrowth.of(policy, budget, buffer, model)
     return cache

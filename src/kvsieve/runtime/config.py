@@ -5,11 +5,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import InitVar, dataclass, field
 
+import torch
+
 from ..selection.budget import Budget, check_count, make_budget
 from ..selection.deprecation import renamed_keywords
 from ..selection.errors import PolicyError
 from ..selection.policy import Policy
 from ..selection.spec import make_policy
+from .codecs import EntryCodec, codec_for, make_codec
 from .decoding import refuse_span_projection
 from .growth import DEFAULT_BUFFER
 
@@ -26,7 +29,8 @@ class EvictionConfig:
     generation: the cache is evicted back to it whenever it has grown by `buffer` tokens per (layer,
     kv-head) (`buffer=None`: compress the prompt only). `policy` is a `Policy` or a spec (scorer,
     optionally ``+allocator`` and parameters); `allocator`, `n_sink` and `n_recent` override the
-    spec's. The keywords of kvsieve 0.1 (`eviction_rate`, `eviction_mode`, `budget` for the
+    spec's. `kv_bits` (16, 8, 4, 2) and `kv_group` say how the kept entries are stored
+    (`kvsieve.compress`). The keywords of kvsieve 0.1 (`eviction_rate`, `eviction_mode`, `budget` for the
     allocator, `sliding_window` for `n_recent`) still work, with a `DeprecationWarning`.
     """
 
@@ -38,6 +42,8 @@ class EvictionConfig:
     allocator: str | None = None
     n_sink: int | None = None
     n_recent: int | None = None
+    kv_bits: int = 16
+    kv_group: int | None = None
     eviction_rate: InitVar[float | None] = None
     eviction_mode: InitVar[str | None] = None
     budget: InitVar[str | None] = None
@@ -57,6 +63,7 @@ class EvictionConfig:
                 raise PolicyError(f"EvictionConfig: give {name}= only (it has a deprecated name too)")
             object.__setattr__(self, name, value)
         self.limit()  # validates the budget
+        make_codec(self.kv_bits, self.kv_group)  # validates the storage (the head dimension: `codec`)
         overrides = {k: v for k, v in (("n_sink", self.n_sink), ("n_recent", self.n_recent)) if v is not None}
         policy = make_policy(self.policy, self.allocator, **overrides)
         refuse_span_projection(policy)
@@ -72,6 +79,10 @@ class EvictionConfig:
     def limit(self) -> Budget:
         """The budget as a `Rate`, `MaxTokens` or `MaxBytes`."""
         return make_budget(self.rate, self.max_tokens, self.max_bytes)
+
+    def codec(self, model: torch.nn.Module) -> EntryCodec:
+        """How the model's kept entries are stored (checked against its head dimension)."""
+        return codec_for(model, self.kv_bits, self.kv_group)
 
     def generation_buffer(self) -> int | None:
         """The buffer that bounds generation: `buffer` for a size, None for a rate."""

@@ -4,8 +4,9 @@ The prompt (a context, then optionally a question) is compressed but for its las
 `generate` then feeds first; with a question the compression is question-aware and the question
 stays protected. One rule for prompts too short to evict: under a rate, a prompt some row of which
 has nothing evictable (every entry is a sink or in the recent tail) is not compressed, and
-`generate` runs on the model's own cache; under a size, a prompt of one token starts from an empty
-cache held at the size. Beam search is refused: rows of a compressed cache are not reordered.
+`generate` runs on the model's own cache (with quantized entries, `kv_bits` < 16: on a cache that
+keeps every entry, quantized); under a size, a prompt of one token starts from an empty cache held
+at the size. Beam search is refused: rows of a compressed cache are not reordered.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from collections.abc import Callable
 
 import torch
 
-from ..selection.budget import Budget
+from ..selection.budget import Budget, Rate
 from ..selection.errors import PolicyError
 from ..selection.policy import Policy
 from .attention import sieve_attention
 from .cache import SievedCache
+from .codecs import FULL_PRECISION, EntryCodec
 from .compress import BUFFER_NEEDS_SIZE, bounded_cache_with, compress_with
 from .inputs import check_input_ids, real_tokens
 
@@ -57,16 +59,19 @@ def compressed_prompt(
     policy: Policy,
     budget: Budget,
     buffer: int | None,
+    codec: EntryCodec = FULL_PRECISION,
 ) -> SievedCache | None:
     """The cache every token of the prompt but the last is compressed into, or None where the module rule says so."""
     context = int(real_tokens(input_ids, attention_mask).sum(dim=-1).min())
     if question_ids is None or question_ids.shape[-1] == 1:
         context -= 1  # the last token of the context is the one `generate` feeds first
     if not budget.is_size and context <= policy.n_sink + policy.n_recent:
-        return None
+        if codec == FULL_PRECISION or context < 1:
+            return None
+        budget = Rate(0.0)  # nothing to evict, but the entries are stored as asked
     if budget.is_size and context < 1:
-        return None if buffer is None else bounded_cache_with(model, policy, budget, buffer)
-    options = {"buffer": buffer, "attention_mask": attention_mask}
+        return None if buffer is None else bounded_cache_with(model, policy, budget, buffer, codec)
+    options = {"buffer": buffer, "attention_mask": attention_mask, "codec": codec}
     if question_ids is not None and question_ids.shape[-1] > 1:
         return compress_with(model, input_ids, policy, budget, question_ids=question_ids[:, :-1], **options)
     ids, mask = prompt_with_question(input_ids, attention_mask, question_ids)
@@ -84,13 +89,14 @@ def generate_compressed(
     *,
     attention_mask: torch.Tensor | None = None,
     question_ids: torch.Tensor | None = None,
+    codec: EntryCodec = FULL_PRECISION,
     **generate_kwargs: object,
 ) -> tuple[torch.Tensor, SievedCache | None]:
     """Compress the prompt, then run `generate` (the model's own) from the cache under sieve attention.
 
-    `buffer` (a size budget only) keeps the size while generating. Returns what `generate` returns
-    (the prompt, then the new tokens) and the cache (None where the prompt was too short to evict,
-    see the module docstring).
+    `buffer` (a size budget only) keeps the size while generating; `codec` stores the entries.
+    Returns what `generate` returns (the prompt, then the new tokens) and the cache (None where the
+    prompt was too short to evict, see the module docstring).
     """
     check_input_ids(model, input_ids)
     if question_ids is not None:
@@ -100,7 +106,7 @@ def generate_compressed(
         raise PolicyError(BUFFER_NEEDS_SIZE)
     bounded = "a bounded cache (max_tokens, max_bytes)"
     refuse_beams(model, generate_kwargs, bounded if buffer is not None else "a compressed cache")
-    cache = compressed_prompt(model, input_ids, attention_mask, question_ids, policy, budget, buffer)
+    cache = compressed_prompt(model, input_ids, attention_mask, question_ids, policy, budget, buffer, codec)
     prompt, mask = prompt_with_question(input_ids, attention_mask, question_ids)
     with sieve_attention(model):
         return generate(prompt, attention_mask=mask, past_key_values=cache, **generate_kwargs), cache

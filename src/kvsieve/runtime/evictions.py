@@ -13,6 +13,7 @@ from ..selection.observation import Observation
 from ..selection.policy import Policy
 from ..selection.spec import make_policy
 from .cache import SievedCache
+from .codecs import FULL_PRECISION, EntryCodec, stored_entry_bytes
 from .prefill import Prefill
 
 
@@ -27,27 +28,35 @@ class Eviction:
     protect_positions: torch.Tensor | None = None
     spans: torch.Tensor | None = None
 
-    def kept_entries(self, observations: Sequence[Observation], reserved: int = 0) -> list[list[torch.Tensor]]:
-        """Per observed layer and kv-head, the entries to keep; `reserved`: bytes per sequence of the
-        sliding-window layers at their window, which a byte budget sets aside first."""
+    def kept_entries(
+        self, observations: Sequence[Observation], reserved: int = 0, entry_bytes: int | None = None
+    ) -> list[list[torch.Tensor]]:
+        """Per observed layer and kv-head, the entries to keep. `reserved`: bytes per sequence of the
+        sliding-window layers at their window, which a byte budget sets aside first; `entry_bytes`: the
+        bytes an entry will be stored in (`Policy.select`)."""
         if self.policy is None:
             return [[torch.arange(o.length) for _ in range(o.num_kv_heads)] for o in observations]
         budget = as_budget(self.budget).reserve(reserved)
-        return make_policy(self.policy).select(observations, budget, self.protect_positions, self.spans)
+        return make_policy(self.policy).select(observations, budget, self.protect_positions, self.spans, entry_bytes)
 
 
 class EvictionPlan(Protocol):
     """Anything that says which observed entries of one sequence to keep (`Eviction`, or a variant of one)."""
 
-    def kept_entries(self, observations: Sequence[Observation], reserved: int = 0) -> list[list[torch.Tensor]]: ...
+    def kept_entries(
+        self, observations: Sequence[Observation], reserved: int = 0, entry_bytes: int | None = None
+    ) -> list[list[torch.Tensor]]: ...
 
 
-def evictions(prefill: Prefill, plans: Sequence[EvictionPlan], row: int = 0) -> SievedCache:
-    """One cache whose row `i` is sequence `row` of `prefill` evicted by `plans[i]`.
+def evictions(
+    prefill: Prefill, plans: Sequence[EvictionPlan], row: int = 0, codec: EntryCodec = FULL_PRECISION
+) -> SievedCache:
+    """One cache whose row `i` is sequence `row` of `prefill` evicted by `plans[i]`, its entries stored by `codec`.
 
     "Prefill once, sieve many" in one batch: a sweep decodes every (policy, rate) of a sample in
     one batched pass. The prefill's own cache is left as it is.
     """
     reserved = prefill.cache.window_nbytes()
-    keep = [prefill.stored(row, plan.kept_entries(prefill.observations[row], reserved)) for plan in plans]
-    return prefill.cache.keep(keep, rows=[row] * len(keep))
+    stored = stored_entry_bytes(codec, prefill.observations[row])
+    keep = [prefill.stored(row, plan.kept_entries(prefill.observations[row], reserved, stored)) for plan in plans]
+    return prefill.cache.keep(keep, rows=[row] * len(keep), codec=codec)

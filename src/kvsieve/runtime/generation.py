@@ -10,6 +10,7 @@ from ..selection.policy import Policy
 from ..selection.spec import make_policy
 from .attention import sieve_attention
 from .cache import SievedCache
+from .codecs import codec_for
 from .decoding import generate_compressed, refuse_beams
 from .inputs import check_input_ids
 
@@ -26,6 +27,8 @@ def generate(
     max_bytes: int | None = None,
     buffer: int | None = None,
     question_ids: torch.Tensor | None = None,
+    kv_bits: int = 16,
+    kv_group: int | None = None,
     **generate_kwargs: object,
 ) -> torch.Tensor:
     """Generate from a compressed cache under sieve attention.
@@ -34,7 +37,8 @@ def generate(
     `policy` and the budget (as `kvsieve.compress`; with `buffer`, a size budget also holds while
     generating), then `model.generate` runs; returns the prompt followed by the new tokens. With
     `question_ids` the prompt is `input_ids` then the question, compressed question-aware (the
-    question stays protected). The rule for prompts too short to evict is `kvsieve.apply`'s
+    question stays protected); `kv_bits` and `kv_group` store the entries as `compress` does. The rule
+    for prompts too short to evict is `kvsieve.apply`'s
     (`kvsieve.runtime.decoding`): under a rate they are generated from the model's own cache.
 
     With `cache` (from `kvsieve.compress`, one sequence): `input_ids` `[1, n]` are only the tokens
@@ -56,14 +60,17 @@ def generate(
             buffer,
             attention_mask=attention_mask,
             question_ids=question_ids,
+            codec=codec_for(model, kv_bits, kv_group),
             **generate_kwargs,
         )
         return out
     check_input_ids(model, input_ids)
     refuse_beams(model, generate_kwargs, "a compressed cache")
-    given = (attention_mask, rate, max_tokens, max_bytes, question_ids)
-    if any(value is not None for value in given):
-        raise PolicyError("with a cache, give only the new tokens: its budget and padding were set by compress")
+    given = (attention_mask, rate, max_tokens, max_bytes, question_ids, kv_group)
+    if any(value is not None for value in given) or kv_bits != 16:
+        raise PolicyError(
+            "with a cache, give only the new tokens: its budget, padding and storage were set by compress"
+        )
     if cache.batch_size != 1 or input_ids.shape[0] != 1:
         raise ValueError(
             "new tokens alone continue a cache of one sequence; for a batch (rows may be padded), call "

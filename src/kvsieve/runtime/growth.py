@@ -165,10 +165,12 @@ class BoundedGrowth:
     def evict(self, cache: SievedCache) -> None:
         """Evict every sequence of `cache` back to the budget."""
         budget = self.budget.reserve(cache.window_nbytes())  # sliding-window layers' bytes come first
+        stored = cache.layers[cache.full_layers[0]].entry_bytes()  # as the cache stores them (quantized: fewer)
         keep = []
         for row in range(cache.batch_size):
             spans = None if self.spans is None else self.spans[row]
-            keep.append(self.policy.select(self.observations(cache, row), budget, self.protect, spans))
+            observations = self.observations(cache, row)
+            keep.append(self.policy.select(observations, budget, self.protect, spans, stored))
         cache.evict(keep)
 
     def observations(self, cache: SievedCache, row: int) -> list[Observation]:

@@ -77,6 +77,7 @@ class Policy:
         budget: float | Budget,
         protect_positions: torch.Tensor | None = None,
         spans: torch.Tensor | None = None,
+        entry_bytes: int | None = None,
     ) -> list[list[torch.Tensor]]:
         """Indices of the observed entries of one sequence to keep, per observed (full-attention) layer and kv-head.
 
@@ -86,6 +87,8 @@ class Policy:
         what the `Sentences` projection keeps whole; positions past its end are spans of their own.
         Other projections ignore it. Each head keeps exactly the allocator's count of evictable entries;
         when the budget keeps every one of them (a prompt that fits a size), nothing is scored.
+        `entry_bytes`: the bytes one entry will be stored in, which a byte budget counts (a quantized
+        cache: codes and scales); default: the observed keys' and values' dtype.
         """
         budget = as_budget(budget)
         check_spans(spans)
@@ -98,7 +101,8 @@ class Policy:
             )
         protected = [protected_mask(o, self.n_sink, self.n_recent, protect_positions) for o in observations]
         evictable = [o.valid_mask & ~p for o, p in zip(observations, protected, strict=True)]
-        shares = budget.shares(evictable, protected, observations[0].entry_bytes)
+        stored = observations[0].entry_bytes if entry_bytes is None else entry_bytes
+        shares = budget.shares(evictable, protected, stored)
         if _keeps_everything(evictable, shares):
             return [[o.valid_mask[h].nonzero().flatten() for h in range(o.num_kv_heads)] for o in observations]
         scores = [self._scores(o) for o in observations]
