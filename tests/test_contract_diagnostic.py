@@ -55,7 +55,7 @@ class FixedKeep:
 
     evict: dict[int, list[int]]  # kv-head -> positions
 
-    def kept_entries(self, observations, reserved=0):
+    def kept_entries(self, observations, reserved=0, entry_bytes=None):
         out = []
         for obs in observations:
             layer = []
@@ -117,7 +117,7 @@ class _Wrapped:
     policy: object
     protect_positions: torch.Tensor | None = None
 
-    def kept_entries(self, observations, reserved=0):
+    def kept_entries(self, observations, reserved=0, entry_bytes=None):
         return self.plan.kept_entries(observations, reserved)
 
 

@@ -25,6 +25,7 @@ import torch
 from ..selection.architecture import kv_geometry
 from ..selection.errors import PolicyError
 from ..selection.observation import Observation
+from .inputs import check_model
 
 #: Bits per number a quantized cache may store; 16 means the model's own dtype (no quantization).
 KV_BITS = (2, 4, 8, 16)
@@ -147,6 +148,7 @@ def stored_entry_bytes(codec: EntryCodec, observations: Sequence[Observation]) -
 
 def codec_for(model: torch.nn.Module, kv_bits: int = 16, kv_group: int | None = None) -> EntryCodec:
     """`make_codec` checked against the model's head dimension (a clear error before any work)."""
+    check_model(model)
     return make_codec(kv_bits, kv_group, kv_geometry(model)[1])
 
 

@@ -79,13 +79,16 @@ class ForcedEviction:
     forcing: Forcing
     swap_out: Scorer
 
-    def kept_entries(self, observations: Sequence[Observation], reserved: int = 0) -> list[list[torch.Tensor]]:
+    def kept_entries(
+        self, observations: Sequence[Observation], reserved: int = 0, entry_bytes: int | None = None
+    ) -> list[list[torch.Tensor]]:
         policy = self.base.policy
         if not isinstance(policy, Policy):
             raise TypeError("forced slots need a resolved Policy")
         evidence = torch.tensor([p for s, e in self.spans for p in range(s, e)], dtype=torch.long)
         out = []
-        for obs, per_head in zip(observations, self.base.kept_entries(observations, reserved), strict=True):
+        base = self.base.kept_entries(observations, reserved, entry_bytes)
+        for obs, per_head in zip(observations, base, strict=True):
             protected = protected_mask(obs, policy.n_sink, policy.n_recent, self.base.protect_positions)
             droppable = obs.valid_mask & ~protected & ~torch.isin(obs.positions, evidence.to(obs.positions.device))
             swap_out = self.swap_out.score(obs)
