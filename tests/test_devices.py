@@ -73,3 +73,18 @@ def test_sweep_records_device_and_dtype(model_dir, tmp_path):
     full = next(r for r in rows if r["policy"] == "full")
     # bfloat16: 2 bytes per number; per token 3 layers x 2 kv-heads x 16 dims x (key, value)
     assert full["kv_bytes_full"] == full["context_tokens"] * 3 * 2 * 16 * 2 * 2
+
+
+def test_kv_bits_store_every_kvsieve_policy_quantized(model_dir, tmp_path):
+    out = tmp_path / "ppl.json"
+    args = ["ppl", "--model", str(model_dir), "--docs", "2", "--prefix", "64", "--continuation", "32"]
+    result = runner.invoke(
+        app, [*args, "--policies", "snapkv,random", "--rates", "0.5", "--kv-bits", "4", "--json", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert [row["policy"] for row in report["rows"]] == ["snapkv:kv_bits=4", "random:kv_bits=4"]
+    entry = 2 * (16 * 4 // 8 + 2 * 1 * 4)  # head dimension 16 is one group: codes, a scale and a minimum (float32)
+    assert report["rows"][0]["kv_bytes"] * 2 * 16 * 4 < report["full_kv_bytes"] * entry
+    bad = runner.invoke(app, [*args, "--kv-bits", "3"])
+    assert bad.exit_code == 2 and "kv_bits=3 is not supported" in " ".join(bad.output.split())

@@ -116,6 +116,24 @@ def test_loglikelihood_equals_compress_then_a_teacher_forced_forward(model_dir, 
         assert logprob == pytest.approx(float(F.log_softmax(logits, -1).gather(-1, continuation[:, None]).sum()), 1e-4)
 
 
+def test_kv_bits_score_continuations_from_the_quantized_context(model_dir):
+    lm = _lm(model_dir, policy="snapkv", rate=0.5, kv_bits=4, kv_group=8)
+    got = lm.loglikelihood(_requests("loglikelihood", [(PROMPT, c) for c in CHOICES[:2]]))
+    for (logprob, _), choice in zip(got, CHOICES, strict=False):
+        context, continuation = _pair(lm.tokenizer, PROMPT, choice)
+        cache = kvsieve.compress(lm.model, context[:, :-1], "snapkv", rate=0.5, kv_bits=4, kv_group=8)
+        fed = torch.cat([context[:, -1:], continuation[None, :-1]], dim=-1)
+        with torch.no_grad(), kvsieve.sieve_attention(lm.model):
+            logits = lm.model(fed, past_key_values=cache).logits
+        assert logprob == pytest.approx(
+            float(F.log_softmax(logits, -1)[0].gather(-1, continuation[:, None]).sum()), abs=1e-4
+        )
+    with pytest.raises(PolicyError, match="for quantization alone give a policy with rate=0"):
+        _lm(model_dir, policy="full", kv_bits=4)
+    with pytest.raises(PolicyError, match="does not divide the head dimension 16"):
+        _lm(model_dir, policy="snapkv", rate=0.5, kv_bits=4, kv_group=5)
+
+
 def test_choices_sharing_a_context_give_what_one_request_at_a_time_gives(model_dir):
     lm = _lm(model_dir, policy="trimkv+global:gates=untrained", rate=0.75)
     requests = _requests("loglikelihood", [(PROMPT, c) for c in CHOICES] + [(CONTEXT, " The sky")])

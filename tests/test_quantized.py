@@ -202,3 +202,63 @@ def test_bad_storage_is_named_before_any_work(model, ids, options, message):
         kvsieve.compress(model, ids, "snapkv", 0.5, **options)
     with pytest.raises(PolicyError, match=message.replace("(", r"\(")):
         kvsieve.apply(model, kvsieve.EvictionConfig("snapkv", rate=0.5, **options))
+
+
+def test_a_policy_spec_names_its_storage():
+    from kvsieve.harness.eval.contenders import parse_contenders, with_kv_bits
+
+    methods = parse_contenders("snapkv+adaptive:window=16,kv_bits=4,snapkv,h2o:kv_bits=2,kv_group=8,kvpress:knorm")
+    assert [m.name for m in methods] == [
+        "full",
+        "snapkv+adaptive:window=16,kv_bits=4",
+        "snapkv",
+        "h2o:kv_bits=2,kv_group=8",
+        "kvpress:knorm",
+    ]
+    assert [(m.kv_bits, m.kv_group) for m in methods[1:4]] == [(4, None), (16, None), (2, 8)]
+    assert methods[1].builder != methods[2].builder == methods[0].builder, "other storage, another build"
+    assert with_kv_bits(["full", "snapkv", "tova:window=2", "kvpress:knorm"], 8) == [
+        "full",
+        "snapkv:kv_bits=8",
+        "tova:window=2,kv_bits=8",
+        "kvpress:knorm",
+    ]
+    for bad, message in [("snapkv:kv_bits=3", "kv_bits=3"), ("snapkv:kv_bits=4,kv_bits=2", "given twice")]:
+        with pytest.raises(PolicyError, match=message):
+            parse_contenders(bad)
+
+
+@torch.no_grad()
+def test_the_perplexity_protocol_reads_the_quantized_cache(model):
+    from kvsieve.harness.eval import run_ppl
+
+    gen = torch.Generator().manual_seed(5)
+    documents = [(f"doc{i}", torch.randint(0, 128, (1, 89), generator=gen)) for i in range(2)]
+    spec = f"snapkv:kv_bits=4,kv_group={GROUP}"
+    result = run_ppl(model, documents, [spec, "snapkv"], [0.5], 64, 24)
+    for row, (_, ids) in enumerate(documents):
+        cache = kvsieve.compress(model, ids[:, :64], "snapkv", 0.5, kv_bits=4, kv_group=GROUP)
+        kv_bytes = cache.nbytes()
+        with kvsieve.sieve_attention(model):
+            logits = model(ids[:, 64:88], past_key_values=cache).logits[0]
+        expected = torch.nn.functional.cross_entropy(logits, ids[0, 65:89], reduction="sum")
+        assert result.nll[spec, 0.5][row] == pytest.approx(float(expected), rel=1e-5)
+        assert result.kv_bytes[spec, 0.5][row] == kv_bytes < result.kv_bytes["snapkv", 0.5][row]
+    assert result.nll[spec, 0.5] != result.nll["snapkv", 0.5]
+
+
+@torch.no_grad()
+def test_a_sweep_evicts_every_storage_from_one_prefill(lm, tok):
+    from kvsieve.harness.eval import run_sweep
+    from test_sweep import make_sample
+
+    names = ["snapkv", f"snapkv:kv_bits=8,kv_group={GROUP}", f"snapkv:kv_bits=2,kv_group={GROUP}"]
+    rows = run_sweep(lm, tok, [make_sample(0)], names, [0.5], modes=("agnostic",))
+    one = run_sweep(lm, tok, [make_sample(0)], names, [0.5], modes=("agnostic",), rows_per_pass=1)
+    assert rows["prefill_seconds"].nunique() == 1, "one prefill served every storage"
+    by_policy = rows.set_index("policy")
+    assert by_policy.loc[names, "kept_entries"].nunique() == 1, "the same entries, stored three ways"
+    full_bytes, eight, two = (by_policy.loc[name, "kv_bytes"] for name in names)
+    entry = {bits: _codec(bits).entry_bytes(16, torch.float32) for bits in (8, 2)}
+    assert eight * 2 * 16 * 4 == full_bytes * entry[8] and two * 2 * 16 * 4 == full_bytes * entry[2]
+    assert rows["gold_logprob"].to_numpy() == pytest.approx(one["gold_logprob"].to_numpy(), abs=1e-5)

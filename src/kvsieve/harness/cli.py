@@ -30,7 +30,7 @@ from .data.suites import resolve_tasks, task_samples
 from .eval import run_ppl
 from .eval.allocation import budget_allocation
 from .eval.analysis import accuracy_by_rate
-from .eval.contenders import parse_contenders
+from .eval.contenders import kvsieve_method, parse_contenders, with_kv_bits
 from .eval.contract_diagnostic import (
     ATTENTION_MASS,
     DIAGNOSTIC_TASKS,
@@ -87,6 +87,12 @@ def _parsed(hint: str, parse: Callable[[], Any]) -> Any:
 CPU = torch.device("cpu")
 DeviceOption = Annotated[str, typer.Option(help="where the model runs: cpu, cuda, cuda:1, mps")]
 DtypeOption = Annotated[str, typer.Option(help="the model's dtype: float32, bfloat16, float16")]
+KvBitsOption = Annotated[
+    int | None,
+    typer.Option(
+        "--kv-bits", help="store every kvsieve policy's kept entries in 8, 4 or 2 bits (or kv_bits= in a policy)"
+    ),
+]
 
 
 @dataclass(frozen=True)
@@ -128,7 +134,7 @@ def ppl_experiment(
     essays: list[str] | None = None,
 ) -> dict[str, Any]:
     """Load, sample documents (of `essays`, default all), run the protocol with a progress bar, print the table."""
-    _parsed("--policies", lambda: [make_policy(p) for p in policies])
+    _parsed("--policies", lambda: [kvsieve_method(p) for p in policies])
     _parsed("--rates", lambda: [check_rate(r) for r in rates])
     model, tokenizer = model_and_tokenizer or choice.load()
     documents = sample_documents(tokenizer, docs, prefix + continuation + 1, seed=seed, names=essays)
@@ -162,7 +168,7 @@ def _check_ppl_mode(stream: bool, given: dict[str, object]) -> None:
 
 
 def stream_experiment(
-    choice: ModelChoice, policies: str, budgets: list[int], docs: int, seed: int, options: dict[str, Any]
+    choice: ModelChoice, policies: list[str], budgets: list[int], docs: int, seed: int, options: dict[str, Any]
 ) -> dict[str, Any]:
     """Load, build the documents, check the plan (fails fast), run with a progress bar, print the table."""
     _parsed("--policies", lambda: parse_contenders(policies))
@@ -206,6 +212,7 @@ def ppl(
     model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
+    kv_bits: KvBitsOption = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="write the results here")] = None,
     plot: Annotated[Path | None, typer.Option(help="PNG path (default: next to --json)")] = None,
     stream: Annotated[
@@ -231,9 +238,11 @@ def ppl(
         options = {"buffer": buffer or DEFAULT_BUFFER, "doc_tokens": doc_tokens or DOC_TOKENS}
         options |= {"bucket": bucket or BUCKET, "source": source or SOURCES[0], "rows": rows or STREAM_ROWS_PER_PASS}
         budgets = _split(max_tokens, int)
-        report = stream_experiment(choice, policies or ",".join(STREAM_POLICIES), budgets, docs, seed, options)
+        policy_list = with_kv_bits(split_policies(policies or ",".join(STREAM_POLICIES)), kv_bits)
+        report = stream_experiment(choice, policy_list, budgets, docs, seed, options)
     else:
-        rate_list, policy_list = _split(rates or DEFAULT_RATES, float), split_policies(policies or "importance,random")
+        rate_list = _split(rates or DEFAULT_RATES, float)
+        policy_list = with_kv_bits(split_policies(policies or "importance,random"), kv_bits)
         report = ppl_experiment(choice, policy_list, rate_list, docs, prefix, continuation, seed)
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -398,12 +407,13 @@ def sweep(
     model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
+    kv_bits: KvBitsOption = None,
     chat: Annotated[bool | None, typer.Option("--chat/--no-chat", help="chat template (default: if any)")] = None,
     maps: Annotated[bool, typer.Option(help="eviction maps of each task's first sample at the top rate")] = True,
 ) -> None:
     """Task accuracy per policy and rate on RULER-style tasks and the routing suite, with routing diagnostics."""
     task_names = _parsed("--tasks", lambda: resolve_tasks(tasks))
-    contenders = _parsed("--policies", lambda: parse_contenders(policies))
+    contenders = _parsed("--policies", lambda: parse_contenders(with_kv_bits(split_policies(policies), kv_bits)))
     rate_list = _parsed("--rates", lambda: [check_rate(r) for r in _split(rates, float)])
     mode_list = _parsed("--modes", lambda: check_modes([m.strip() for m in modes.split(",") if m.strip()]))
     choice = ModelChoice.parse(model, device, dtype)
@@ -527,10 +537,11 @@ def eviction_map(
     model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
+    kv_bits: KvBitsOption = None,
 ) -> None:
     """The eviction map of one sample: which (layer, kv-head) keeps which context token, evidence marked."""
     names = _parsed("--task", lambda: resolve_tasks(task))
-    contender = _parsed("--policy", lambda: parse_contenders(policy)[-1])
+    contender = _parsed("--policy", lambda: parse_contenders(with_kv_bits([policy], kv_bits))[-1])
     _parsed("--rate", lambda: check_rate(rate))
     _parsed("--mode", lambda: check_modes([mode]))
     lm, tokenizer = ModelChoice.parse(model, device, dtype).load()

@@ -2,9 +2,49 @@
 
 from __future__ import annotations
 
+from ...runtime.codecs import make_codec
 from ...selection.errors import PolicyError
+from ...selection.policy import Policy
 from ...selection.spec import make_policy, split_policies
 from .methods import FULL, KVPRESS_PREFIX, CacheMethod, FullCache, KvpressPress, KvsievePolicy
+
+#: Parameters of a kvsieve spec that say how the kept entries are stored, not which are kept.
+STORAGE_PARAMETERS = ("kv_bits", "kv_group")
+
+
+def kvsieve_method(spec: str | Policy) -> KvsievePolicy:
+    """A kvsieve policy from its spec, whose parameters may also say how its kept entries are stored:
+    ``"trimkv+global:kv_bits=4"``, ``"snapkv:window=16,kv_bits=2,kv_group=16"`` (`kvsieve.compress`'s names)."""
+    if isinstance(spec, Policy):
+        return KvsievePolicy(spec)
+    head, _, text = spec.partition(":")
+    kept, storage = [], {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = (x.strip() for x in item.partition("="))
+        if key not in STORAGE_PARAMETERS:
+            kept.append(item)
+        elif key in storage:
+            raise PolicyError(f"{spec}: {key} is given twice")
+        elif not value.isdigit():
+            raise PolicyError(f"{spec}: {key} must be a whole number, got {value!r}")
+        else:
+            storage[key] = int(value)
+    make_codec(**storage)  # the head dimension is checked when a model stores them
+    return KvsievePolicy(make_policy(f"{head}:{','.join(kept)}" if kept else head), **storage)
+
+
+def with_kv_bits(specs: list[str], kv_bits: int | None) -> list[str]:
+    """Every kvsieve spec of `specs` with its entries stored in `kv_bits` (`--kv-bits`); kvpress and the full
+    cache as they are."""
+    if kv_bits is None:
+        return specs
+    out = []
+    for spec in specs:
+        if spec == FULL or spec.startswith(KVPRESS_PREFIX):
+            out.append(spec)
+        else:
+            out.append(f"{spec}{',' if ':' in spec else ':'}kv_bits={kv_bits}")
+    return out
 
 
 def parse_contenders(specs: str | list[str]) -> list[CacheMethod]:
@@ -25,7 +65,7 @@ def parse_contenders(specs: str | list[str]) -> list[CacheMethod]:
                 raise PolicyError(f"unknown kvpress press {press!r}; known: {', '.join(KVPRESS_PRESSES)}")
             out.append(KvpressPress(press))
         else:
-            out.append(KvsievePolicy(make_policy(spec)))
+            out.append(kvsieve_method(spec))
     names = [c.name for c in out]
     if len(set(names)) != len(names):
         raise PolicyError(f"policies must be distinct, got {', '.join(names[1:])}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -30,6 +31,7 @@ from transformers import Cache
 
 from ...runtime.attention import sieve_attention
 from ...runtime.cache import SievedCache
+from ...runtime.codecs import codec_for
 from ...runtime.compress import bounded_cache_with
 from ...runtime.evictions import Eviction, evictions
 from ...runtime.prefill import Prefill, observe_prefill
@@ -173,15 +175,21 @@ class Evicting(CacheMethod, Protocol):
 
 @dataclass(frozen=True)
 class FromPrefill:
-    """Every configuration evicts from the case's one observed prefill; one row each ("prefill once, sieve many")."""
+    """Every configuration evicts from the case's one observed prefill; one row each ("prefill once, sieve many").
+
+    The kept entries are stored as `kv_bits` and `kv_group` say (`kvsieve.compress`): configurations of
+    other storage are other builds from the same prefill.
+    """
 
     max_rows: int | None = None
     shares_prefill: bool = True
+    kv_bits: int = 16
+    kv_group: int | None = None
 
     def build(self, model: torch.nn.Module, case: Case, todo: Sequence[tuple[Evicting, float]]) -> Compressed:
         prefill = case.prefill(model)
         plans = [method.eviction(case, rate) for method, rate in todo]
-        cache = evictions(prefill, plans)
+        cache = evictions(prefill, plans, codec=codec_for(model, self.kv_bits, self.kv_group))
         rows = range(len(plans))
         return Compressed(
             cache,
@@ -228,16 +236,33 @@ class FullCache:
 
 @dataclass(frozen=True)
 class KvsievePolicy:
-    """A kvsieve policy at a rate; question-aware cases protect the question as `kvsieve.compress` does."""
+    """A kvsieve policy at a rate; question-aware cases protect the question as `kvsieve.compress` does.
+
+    `kv_bits` and `kv_group` say how the kept entries are stored; named as policy parameters
+    (``snapkv+adaptive:window=16,kv_bits=4``).
+    """
 
     policy: Policy
+    kv_bits: int = 16
+    kv_group: int | None = None
     library: ClassVar[str] = "kvsieve"
-    builder: ClassVar[CacheBuilder] = FROM_PREFILL
     is_full: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
-        return self.policy.name
+        storage = [f"{key}={value}" for key, value in self.storage().items()]
+        if not storage:
+            return self.policy.name
+        return f"{self.policy.name}{',' if ':' in self.policy.name else ':'}{','.join(storage)}"
+
+    def storage(self) -> dict[str, int]:
+        """The storage parameters that differ from full precision, as `compress` takes them."""
+        given = {"kv_bits": self.kv_bits, "kv_group": self.kv_group}
+        return {key: value for key, value in given.items() if value not in (16, None)}
+
+    @property
+    def builder(self) -> CacheBuilder:
+        return FromPrefill(kv_bits=self.kv_bits, kv_group=self.kv_group)
 
     @property
     def needs(self) -> Needs:
@@ -260,7 +285,8 @@ class KvsievePolicy:
         if budget is None:
             raise ValueError(f"{self.name} streams at a budget (max_tokens)")
         policy = reseeded(self.policy, seed)
-        return SievedStream(model, bounded_cache_with(model, policy, MaxTokens(budget), buffer))
+        codec = codec_for(model, self.kv_bits, self.kv_group)
+        return SievedStream(model, bounded_cache_with(model, policy, MaxTokens(budget), buffer, codec))
 
 
 @dataclass(frozen=True)
@@ -313,9 +339,24 @@ class KvpressPress:
         return PressStream(model, self.press, budget, buffer, seed)
 
 
+def passes(todo: Sequence[Configuration], rows_per_pass: int) -> list[list[Configuration]]:
+    """Configurations of one builder in even passes of at most `rows_per_pass` (and the builder's `max_rows`).
+
+    A batched cache is read padded to its widest row, so configurations go in order of rate and a
+    pass holds caches of similar size.
+    """
+    passes: list[list[Configuration]] = []
+    for builder in dict.fromkeys(m.builder for m, _ in todo):
+        group = sorted((t for t in todo if t[0].builder == builder), key=lambda t: t[1])
+        limit = min(rows_per_pass, builder.max_rows or rows_per_pass)
+        size = math.ceil(len(group) / math.ceil(len(group) / limit))
+        passes += [group[i : i + size] for i in range(0, len(group), size)]
+    return passes
+
+
 def build(model: torch.nn.Module, case: Case, todo: Sequence[Configuration]) -> Compressed:
     """The caches of configurations that share one builder, as rows of one `Compressed`."""
-    builders = {id(method.builder) for method, _ in todo}
+    builders = {method.builder for method, _ in todo}
     if len(builders) != 1:
         raise ValueError("configurations built together must share one builder")
     return todo[0][0].builder.build(model, case, todo)

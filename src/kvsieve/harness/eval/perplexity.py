@@ -25,9 +25,9 @@ import torch
 from ...selection.budget import check_rate
 from ...selection.observation import Needs
 from ...selection.policy import Policy
-from ...selection.spec import make_policy
 from ..progress import ProgressCallback
-from .methods import Case, FullCache, KvsievePolicy, build
+from .contenders import kvsieve_method
+from .methods import Case, FullCache, build, passes
 from .stats import bootstrap_delta_ci, pooled_delta_pct, pooled_ppl
 
 #: Called after each (document, configuration) with (done, total).
@@ -109,7 +109,7 @@ def run_ppl(
         reprefill: re-run the prefill for every configuration and feed them one at a time, as a
             library that compresses during the prefill must (for timing; the numbers are the same).
     """
-    methods = [KvsievePolicy(make_policy(p)) for p in policies]
+    methods = [kvsieve_method(p) for p in policies]
     rates = [check_rate(r) for r in rates]
     if rows_per_pass < 1:
         raise ValueError(f"rows_per_pass must be >= 1, got {rows_per_pass}")
@@ -132,13 +132,11 @@ def run_ppl(
     # in order of rate: a batch is read padded to its widest row, so rows of a batch should be alike
     configurations = [(FullCache(), 0.0), *sorted(((m, r) for m in methods for r in rates), key=lambda c: c[1])]
     total, done = len(documents) * len(configurations), 0
-    group = 1 if reprefill else rows_per_pass
     start = time.perf_counter()
     for doc_index, (_, ids) in enumerate(documents):
         ids = ids.to(model.device)
         case = Case(ids[:, :prefix], prefix, doc_index, needs)
-        for first in range(0, len(configurations), group):
-            batch = configurations[first : first + group]
+        for batch in passes(configurations, 1 if reprefill else rows_per_pass):
             case = case.fresh() if reprefill else case
             with timed("prefill"):
                 case.prefill(model)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import operator
 import time
 from collections.abc import Sequence
@@ -33,7 +32,7 @@ from ..data.sample import EncodedSample, TaskSample, encode
 from ..progress import ProgressCallback
 from .answers import judge
 from .contenders import parse_contenders
-from .methods import CacheMethod, Case, Configuration, build
+from .methods import CacheMethod, Case, Configuration, build, passes
 from .respond import Response
 from .results_log import ResultsLog
 from .routing import diagnose
@@ -181,21 +180,6 @@ def _run_configurations(
     return rows
 
 
-def _passes(todo: Sequence[Configuration], rows_per_pass: int) -> list[list[Configuration]]:
-    """Configurations of one builder in even passes of at most `rows_per_pass` (and the builder's `max_rows`).
-
-    A batched cache is read padded to its widest row, so configurations go in order of rate and a
-    pass holds caches of similar size.
-    """
-    passes: list[list[Configuration]] = []
-    for builder in dict.fromkeys(m.builder for m, _ in todo):
-        group = sorted((t for t in todo if t[0].builder is builder), key=lambda t: t[1])
-        limit = min(rows_per_pass, builder.max_rows or rows_per_pass)
-        size = math.ceil(len(group) / math.ceil(len(group) / limit))
-        passes += [group[i : i + size] for i in range(0, len(group), size)]
-    return passes
-
-
 def run_sweep(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -249,7 +233,7 @@ def run_sweep(
             encoded = encoded or encode(sample, tokenizer, chat).to(model.device)
             case = sample_case(encoded, mode, needs, tokenizer)
             shared = 1 if reprefill else sum(c.builder.shares_prefill for c, _ in todo)  # configurations sharing it
-            for batch in _passes(todo, 1 if reprefill else rows_per_pass):
+            for batch in passes(todo, 1 if reprefill else rows_per_pass):
                 case = case.fresh() if reprefill else case
                 rows = _run_configurations(model, tokenizer, encoded, mode, case, batch, diagnostics)
                 for (method, _), row in zip(batch, rows, strict=True):

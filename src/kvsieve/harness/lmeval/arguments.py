@@ -27,6 +27,8 @@ class ModelArgs:
     max_bytes: int | None = None
     buffer: int = DEFAULT_BUFFER
     allocator: str | None = None
+    kv_bits: int = 16
+    kv_group: int | None = None
     question_aware: bool = False
     question_marker: str = QUESTION_MARKER
     dtype: str = "float32"
@@ -62,8 +64,13 @@ class ModelArgs:
     def eviction_config(self) -> EvictionConfig | None:
         """The policy and budget (None for the full cache)."""
         if str(self.policy) == FULL:
-            if any(v is not None for v in (self.rate, self.max_tokens, self.max_bytes, self.allocator)):
+            if any(v is not None for v in (self.rate, self.max_tokens, self.max_bytes, self.allocator, self.kv_group)):
                 raise PolicyError(f"policy={FULL} keeps every entry: give no rate, size or allocator with it")
+            if self.kv_bits != 16:
+                raise PolicyError(
+                    f"policy={FULL} keeps every entry as the model computed it; for quantization alone give a policy "
+                    f"with rate=0 and kv_bits={self.kv_bits}"
+                )
             return None
         return EvictionConfig(
             str(self.policy),
@@ -72,6 +79,8 @@ class ModelArgs:
             max_bytes=self.max_bytes,
             buffer=self.buffer,
             allocator=self.allocator,
+            kv_bits=self.kv_bits,
+            kv_group=self.kv_group,
         )
 
 

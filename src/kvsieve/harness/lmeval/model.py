@@ -47,6 +47,7 @@ def check_policy_fits(model: torch.nn.Module, config: EvictionConfig) -> None:
     with sieve_attention(model):
         pass
     refuse_unevictable(model, config.limit())
+    config.codec(model)  # the storage fits the model's head dimension
     for gates in config.resolved.needs.gates:
         load_gates(gates, model)
 
@@ -245,6 +246,7 @@ class KVSieveLM(TemplateLM):
             config.resolved,
             config.limit(),
             config.generation_buffer(),
+            codec=config.codec(self.model),
             **kwargs,
         )
         return out

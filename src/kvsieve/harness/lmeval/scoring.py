@@ -78,7 +78,8 @@ def continuation_logprobs(
     prompt = context if question is None else torch.cat([context, question], dim=-1)
     cache = None
     if config is not None:
-        cache = compressed_prompt(model, context, None, question, config.resolved, config.limit(), None)
+        codec = config.codec(model)
+        cache = compressed_prompt(model, context, None, question, config.resolved, config.limit(), None, codec)
     if cache is None:  # the full cache, or a context too short to evict
         cache = _full_prefill(model, prompt[:, :-1])
     rows = cache if len(continuations) == 1 else cache.copy(rows=[0] * len(continuations))
@@ -101,7 +102,7 @@ def rolling_logprob(model: torch.nn.Module, config: EvictionConfig | None, ids: 
     if config is None:
         cache = SievedCache.for_model(model)
     elif config.sized and config.buffer is not None:
-        cache = bounded_cache_with(model, config.resolved, config.limit(), config.buffer)
+        cache = bounded_cache_with(model, config.resolved, config.limit(), config.buffer, config.codec(model))
     else:
         raise ValueError("rolling log-likelihood needs a bounded cache: give max_tokens or max_bytes, and a buffer")
     trace = run_stream(ids, SievedStream(model, cache), chunk)
