@@ -155,8 +155,9 @@ _ALLOWED: dict[int, list[torch.Tensor]] = {}
 # received[layer] -> [q_heads, positions] float64: attention each key position received, while tallying
 _RECEIVED: dict[int, torch.Tensor] = {}
 TALLY = "tally"
-# the codec whose stored entries full-attention layers read (None: the entries as computed)
-_STORED: dict[str, EntryCodec | None] = {"codec": None}
+# the codec whose stored entries full-attention layers read (None: the entries as computed), and the positions
+# below which every entry is read back stored (an eviction that quantized a residual)
+_STORED: dict[str, object] = {"codec": None, "below": 0}
 
 
 def _masked_reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -165,10 +166,14 @@ def _masked_reference_attention(module, query, key, value, attention_mask, dropo
     _, n_heads, q_len, _ = query.shape
     n_kv, kv_len = key.shape[1], key.shape[2]
     group = n_heads // n_kv
+    key_pos = torch.arange(kv_len, device=query.device)
     codec = _STORED["codec"]
     if codec is not None and kwargs.get("sliding_window") is None:  # what a quantized cache holds, read back
-        key, value = codec.decode(codec.encode(key, value), key.dtype)
-    key_pos = torch.arange(kv_len, device=query.device)
+        # stored: older than the newest `residual` before this forward (or below `below`); the rest as computed
+        stored = (key_pos < kv_len - q_len - codec.residual) | (key_pos < _STORED["below"])
+        read_key, read_value = codec.decode(codec.encode(key, value), key.dtype)
+        key = torch.where(stored[:, None], read_key, key)
+        value = torch.where(stored[:, None], read_value, value)
     query_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)
     out = torch.empty_like(query)
     for h in range(n_heads):
@@ -201,16 +206,23 @@ class MaskedReference:
 
     `kept`: per layer (a list) or for some layers (a dict: the full-attention layers of a model with
     sliding-window ones), the positions each kv-head keeps; sliding layers keep the sliding mask.
-    `codec`: full-attention layers read every key and value as that codec stores them (encoded and
-    decoded again, in the model's dtype), as a quantized `SievedCache` does; the prefix is prefilled
-    from the entries as computed, as `kvsieve.compress` prefills.
+    `codec`: full-attention layers read keys and values as a quantized `SievedCache` holds them
+    (encoded and decoded again, in the model's dtype): every entry older than the newest
+    `codec.residual` before the forward, and every one below position `stored_below` (a residual an
+    eviction quantized); the forward's own tokens as computed. The prefix is prefilled from the
+    entries as computed, as `kvsieve.compress` prefills.
     """
 
     def __init__(
-        self, model: PreTrainedModel, prefix: torch.Tensor, kept: Kept, codec: EntryCodec | None = None
+        self,
+        model: PreTrainedModel,
+        prefix: torch.Tensor,
+        kept: Kept,
+        codec: EntryCodec | None = None,
+        stored_below: int = 0,
     ) -> None:
         self.model = model
-        self.codec = codec
+        self.codec, self.stored_below = codec, stored_below
         self.prefix_len = prefix.shape[1]
         self.allowed = {}
         for layer, heads in _by_layer(kept):
@@ -249,12 +261,12 @@ class MaskedReference:
         self.model.set_attn_implementation(REFERENCE_ATTENTION)
         _ALLOWED.clear()
         _ALLOWED.update(self.allowed)
-        _STORED["codec"] = self.codec
+        _STORED["codec"], _STORED["below"] = self.codec, self.stored_below
         return self
 
     def __exit__(self, *exc: object) -> None:
         _ALLOWED.clear()
-        _STORED["codec"] = None
+        _STORED["codec"], _STORED["below"] = None, 0
         self.model.set_attn_implementation(self._previous)
 
 

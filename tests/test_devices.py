@@ -85,6 +85,8 @@ def test_kv_bits_store_every_kvsieve_policy_quantized(model_dir, tmp_path):
     report = json.loads(out.read_text())
     assert [row["policy"] for row in report["rows"]] == ["snapkv:kv_bits=4", "random:kv_bits=4"]
     entry = 2 * (16 * 4 // 8 + 2 * 1 * 4)  # head dimension 16 is one group: codes, a scale and a minimum (float32)
-    assert report["rows"][0]["kv_bytes"] * 2 * 16 * 4 < report["full_kv_bytes"] * entry
+    kept = 33 + 15  # per head: 1 sink and 32 recent, and half of the other 31 (rounded down)
+    per_head = (kept - 32) * entry + 32 * 2 * 16 * 4  # the newest 32 in float32 (the residual)
+    assert report["rows"][0]["kv_bytes"] == 3 * 2 * per_head
     bad = runner.invoke(app, [*args, "--kv-bits", "3"])
     assert bad.exit_code == 2 and "kv_bits=3 is not supported" in " ".join(bad.output.split())

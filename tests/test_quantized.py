@@ -7,7 +7,7 @@ import torch
 
 import kvsieve
 from conftest import tiny_gemma3, tiny_llama
-from kvsieve.runtime.codecs import FULL_PRECISION, Quantized, make_codec
+from kvsieve.runtime.codecs import DEFAULT_RESIDUAL, FULL_PRECISION, Quantized, make_codec
 from kvsieve.runtime.segments import BLOCK
 from kvsieve.selection.errors import PolicyError
 
@@ -15,8 +15,8 @@ GROUP = 8  # the tiny models' head dimension is 16
 SPECS = ["snapkv", "snapkv+adaptive", "h2o+global", "trimkv+global:gates=untrained"]
 
 
-def _codec(bits: int) -> Quantized:
-    return Quantized(bits, GROUP)
+def _codec(bits: int, residual: int = DEFAULT_RESIDUAL) -> Quantized:
+    return Quantized(bits, GROUP, residual)
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -51,17 +51,55 @@ def test_a_constant_group_and_the_null_entry_decode_exactly():
 @pytest.mark.parametrize("bits", [8, 4, 2])
 @torch.no_grad()
 def test_decoding_equals_the_masked_reference_on_the_dequantized_entries(model, ids, masked_reference, spec, bits):
-    cache = kvsieve.compress(model, ids[:, :100], spec, 0.7, n_recent=8, kv_bits=bits, kv_group=GROUP)
-    assert all(layer.codec == _codec(bits) for layer in cache.layers)
+    """Entries older than the newest 8 (the residual, inside the protected tail) read back quantized."""
+    options = {"n_recent": 8, "kv_bits": bits, "kv_group": GROUP, "kv_residual": 8}
+    cache = kvsieve.compress(model, ids[:, :100], spec, 0.7, **options)
+    assert all(layer.codec == _codec(bits, 8) for layer in cache.layers)
+    assert all(layer.segments.residual.length == 8 for layer in cache.layers)
     kept = [cache.kept_positions(layer) for layer in range(3)]
     with kvsieve.sieve_attention(model):
         steps = [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(100, 110)]
         rest = model(ids[:, 110:], past_key_values=cache).logits
-    with masked_reference(model, ids[:, :100], kept, codec=_codec(bits)) as ref:
-        expected = model(ids[:, 100:], past_key_values=ref.cache).logits
+    with masked_reference(model, ids[:, :100], kept, codec=_codec(bits, 8)) as ref:  # fed as the cache was fed
+        expected = [model(ids[:, t : t + 1], past_key_values=ref.cache).logits for t in range(100, 110)]
+        expected = torch.cat([*expected, model(ids[:, 110:], past_key_values=ref.cache).logits], dim=1)
     torch.testing.assert_close(torch.cat([*steps, rest], dim=1), expected, atol=1e-4, rtol=0)
     with masked_reference(model, ids[:, :100], kept) as unquantized:
         assert (model(ids[:, 100:], past_key_values=unquantized.cache).logits - expected).abs().max() > 1e-4
+
+
+@torch.no_grad()
+def test_a_residual_the_policy_thins_is_quantized_into_the_body(model, ids, masked_reference):
+    """Heads that keep different numbers of the newest 16 entries: the kept ones are quantized with the rest, and
+    later tokens fill a new residual."""
+    prefill = kvsieve.observe_prefill(model, ids[:, :100])
+    whole, thinned = torch.arange(100), torch.cat([torch.arange(0, 84, 2), torch.arange(84, 100, 3)])
+    cache = prefill.cache.keep([[[whole, thinned]] * 3], codec=_codec(4, 16))
+    assert all(layer.segments.residual.length == 0 for layer in cache.layers)
+    kept = [cache.kept_positions(layer) for layer in range(3)]
+    with kvsieve.sieve_attention(model):
+        logits = torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(100, 120)], dim=1)
+    assert all(layer.segments.residual.length == 16 for layer in cache.layers)
+    with masked_reference(model, ids[:, :100], kept, codec=_codec(4, 16), stored_below=100) as ref:
+        expected = torch.cat([model(ids[:, t : t + 1], past_key_values=ref.cache).logits for t in range(100, 120)], 1)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+def test_a_long_forward_reads_its_own_tokens_as_computed(model, ids, masked_reference):
+    """Feeding 40 tokens at once moves the residual and 32 of them to the body; they read as computed in that forward,
+    and quantized in the next."""
+    cache = kvsieve.compress(model, ids[:, :60], "snapkv", 0.5, n_recent=8, kv_bits=2, kv_group=GROUP, kv_residual=8)
+    kept = [cache.kept_positions(layer) for layer in range(3)]
+    with kvsieve.sieve_attention(model):
+        ours = model(ids[:, 60:100], past_key_values=cache).logits
+        assert cache.layers[0].segments.body.lengths[0] == len(kept[0][0]) - 8 + 40, "the old residual and 32 new"
+        after = model(ids[:, 100:101], past_key_values=cache).logits
+    with masked_reference(model, ids[:, :60], kept, codec=_codec(2, 8)) as ref:
+        expected = model(ids[:, 60:100], past_key_values=ref.cache).logits
+        expected_after = model(ids[:, 100:101], past_key_values=ref.cache).logits
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(after, expected_after, atol=1e-4, rtol=0)
 
 
 @torch.no_grad()
@@ -79,7 +117,7 @@ def test_sixteen_bits_is_the_full_precision_path_bit_for_bit(model, ids):
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
 @torch.no_grad()
-def test_bytes_are_the_packed_codes_and_scales_and_storage_stays_within_two_percent(bits):
+def test_bytes_are_the_codes_scales_and_residual_and_storage_stays_within_two_percent(bits):
     """Right after compression and after 300 decode steps, a batch of two sequences (as for full precision)."""
     model = tiny_llama(seed=2, layers=2, heads=4, kv_heads=2)
     ids = torch.randint(0, 128, (2, 400), generator=torch.Generator().manual_seed(3))
@@ -87,18 +125,21 @@ def test_bytes_are_the_packed_codes_and_scales_and_storage_stays_within_two_perc
     cache = kvsieve.compress(model, ids, "snapkv+global", 0.8, kv_bits=bits, kv_group=GROUP)
     entry = 2 * (16 * bits // 8 + 2 * (16 // GROUP) * 4)  # key and value: codes, then a scale and a minimum per group
     assert cache.layers[0].segments.entry_bytes() == entry == _codec(bits).entry_bytes(16, torch.float32)
+    residual = 2 * 2 * len(cache.layers) * DEFAULT_RESIDUAL  # rows x kv-heads x layers x the newest 32, in float32
     null_entries = entry * len(cache.layers)
     blocks = entry * BLOCK * 2 * 2 * len(cache.layers)  # at most one block of room per (row, kv-head)
 
     def check() -> None:
-        kept = sum(sum(map(sum, cache.stored_lengths(row))) for row in range(2)) * entry
-        assert cache.nbytes() == kept
-        assert kept <= cache.allocated_nbytes() <= kept + max(0.02 * kept, blocks) + null_entries
+        entries = sum(sum(map(sum, cache.stored_lengths(row))) for row in range(2))
+        held = (entries - residual) * entry + residual * 2 * 16 * 4
+        assert cache.nbytes() == held == sum(cache.row_nbytes(row) for row in range(2))
+        assert held <= cache.allocated_nbytes() <= held + max(0.02 * held, blocks) + null_entries
 
     check()
     assert cache.allocated_nbytes() == cache.nbytes() + null_entries, "exactly sized right after compression"
     full = kvsieve.compress(model, ids, "snapkv+global", 0.8)
-    assert cache.nbytes() * (2 * 16 * 4) == full.nbytes() * entry, "the same entries, each in `entry` bytes"
+    quantized = full.nbytes() - residual * 2 * 16 * 4  # the same entries, all but the residual in `entry` bytes
+    assert (cache.nbytes() - residual * 2 * 16 * 4) * (2 * 16 * 4) == quantized * entry
     with kvsieve.sieve_attention(model):
         for step in range(300):
             model(ids[:, -1:], past_key_values=cache, attention_mask=torch.cat([mask, torch.ones(2, step + 1)], -1))
@@ -107,12 +148,15 @@ def test_bytes_are_the_packed_codes_and_scales_and_storage_stays_within_two_perc
 
 @pytest.mark.parametrize("bits", [16, 8, 4, 2])
 def test_a_byte_budget_counts_the_stored_bytes(model, ids, bits):
+    """Entries count at their stored size; the residual's extra over that is set aside first."""
     group = None if bits == 16 else GROUP
+    codec = make_codec(bits, group)
     cache = kvsieve.compress(model, ids[:, :120], "snapkv", max_bytes=40_000, kv_bits=bits, kv_group=group)
-    per_head = 40_000 // (3 * 2 * make_codec(bits, group).entry_bytes(16, torch.float32))
+    residual = 3 * 2 * codec.residual_bytes(16, torch.float32)
+    per_head = (40_000 - residual) // (3 * 2 * codec.entry_bytes(16, torch.float32))
     assert cache.stored_lengths() == [[min(per_head, 120)] * 2] * 3
     assert cache.nbytes() <= 40_000
-    with pytest.raises(PolicyError, match="below one entry per"):
+    with pytest.raises(PolicyError, match="below one entry per" if bits == 16 else "residuals of quantized entries"):
         kvsieve.compress(model, ids[:, :120], "snapkv", max_bytes=6 * 30, kv_bits=bits, kv_group=group)
 
 
@@ -121,8 +165,8 @@ def test_a_byte_budget_counts_the_stored_bytes(model, ids, bits):
 def test_a_bounded_cache_rescores_the_entries_it_holds(model, ids, bits):
     """During generation the policy scores what the cache holds: the dequantized entries."""
     codec = _codec(bits)
-    cache = kvsieve.bounded_cache(model, "knorm", max_bytes=3 * 2 * 40 * codec.entry_bytes(16, torch.float32),
-                                  buffer=8, kv_bits=bits, kv_group=GROUP)  # fmt: skip
+    per_head = 40 * codec.entry_bytes(16, torch.float32) + codec.residual_bytes(16, torch.float32)
+    cache = kvsieve.bounded_cache(model, "knorm", max_bytes=3 * 2 * per_head, buffer=8, kv_bits=bits, kv_group=GROUP)
     with kvsieve.sieve_attention(model):
         for start in range(0, 120, 8):
             model(ids[:, start : start + 8], past_key_values=cache)
@@ -130,8 +174,10 @@ def test_a_bounded_cache_rescores_the_entries_it_holds(model, ids, bits):
     observed = kvsieve.observe_cache(model, cache)
     segments = cache.layers[0].segments
     keys, values, _ = segments.segment(0, 1)
-    assert torch.equal(observed[0].keys[1, : keys.shape[0]], keys)
-    assert torch.equal(keys, codec.decode(codec.encode(keys, values), torch.float32)[0]), "stored entries are codes"
+    assert torch.equal(observed[0].keys[1, : keys.shape[0]], keys), "the observation is what the cache reads back"
+    body, body_values, _ = segments.body.segment(0, 1)
+    assert torch.equal(keys[: body.shape[0]], body) and segments.residual.length == DEFAULT_RESIDUAL
+    assert torch.equal(body, codec.decode(codec.encode(body, body_values), torch.float32)[0]), "the body holds codes"
 
 
 @torch.no_grad()
@@ -181,8 +227,11 @@ def test_sliding_windows_stay_in_the_models_dtype_and_count_first():
     assert [type(layer).__name__ for layer in cache.layers] == ["SlidingLayer", "SievedLayer"] * 2
     assert all(layer.codec == _codec(4) for layer in cache.layers if not layer.is_sliding)
     assert all(layer.keys.dtype == torch.float32 for layer in cache.layers if layer.is_sliding)
-    # a byte budget pays for the windows (full precision) first; the full layers' entries count as stored
-    budget = cache.window_nbytes() + 2 * 2 * 60 * _codec(4).entry_bytes(16, torch.float32)
+    # a byte budget pays for the windows (full precision) and the residuals first; entries count as stored
+    codec = _codec(4)
+    budget = cache.window_nbytes() + 2 * 2 * (
+        60 * codec.entry_bytes(16, torch.float32) + codec.residual_bytes(16, torch.float32)
+    )
     sized = kvsieve.compress(model, ids, "snapkv", max_bytes=budget, kv_bits=4, kv_group=GROUP)
     assert [sized.stored_lengths()[idx] for idx in sized.full_layers] == [[60, 60]] * 2
 
@@ -193,7 +242,9 @@ def test_sliding_windows_stay_in_the_models_dtype_and_count_first():
         ({"kv_bits": 3}, "kv_bits=3 is not supported; use one of 2, 4, 8, 16"),
         ({"kv_bits": 4, "kv_group": 5}, "kv_group=5 does not divide the head dimension 16"),
         ({"kv_bits": 2, "kv_group": 2}, "must be a multiple of 4 for 2-bit codes"),
-        ({"kv_group": 8}, "kv_group applies to quantized entries"),
+        ({"kv_group": 8}, "kv_group and kv_residual apply to quantized entries"),
+        ({"kv_residual": 8}, "kv_group and kv_residual apply to quantized entries"),
+        ({"kv_bits": 4, "kv_residual": -1}, "kv_residual must be a whole number >= 0"),
         ({"kv_bits": 4, "kv_group": 0}, "kv_group must be a whole number >= 1"),
     ],
 )
@@ -215,7 +266,7 @@ def test_a_policy_spec_names_its_storage():
         "h2o:kv_bits=2,kv_group=8",
         "kvpress:knorm",
     ]
-    assert [(m.kv_bits, m.kv_group) for m in methods[1:4]] == [(4, None), (16, None), (2, 8)]
+    assert [m.storage.parameters() for m in methods[1:4]] == [{"kv_bits": 4}, {}, {"kv_bits": 2, "kv_group": 8}]
     assert methods[1].builder != methods[2].builder == methods[0].builder, "other storage, another build"
     assert with_kv_bits(["full", "snapkv", "tova:window=2", "kvpress:knorm"], 8) == [
         "full",
@@ -259,6 +310,9 @@ def test_a_sweep_evicts_every_storage_from_one_prefill(lm, tok):
     by_policy = rows.set_index("policy")
     assert by_policy.loc[names, "kept_entries"].nunique() == 1, "the same entries, stored three ways"
     full_bytes, eight, two = (by_policy.loc[name, "kv_bytes"] for name in names)
-    entry = {bits: _codec(bits).entry_bytes(16, torch.float32) for bits in (8, 2)}
-    assert eight * 2 * 16 * 4 == full_bytes * entry[8] and two * 2 * 16 * 4 == full_bytes * entry[2]
+    float_entry = 2 * 16 * 4
+    residual = 3 * 2 * DEFAULT_RESIDUAL * float_entry  # layers x kv-heads x the newest 32, as computed
+    for held, bits in ((eight, 8), (two, 2)):
+        quantized = (full_bytes - residual) // float_entry * _codec(bits).entry_bytes(16, torch.float32)
+        assert held == quantized + residual
     assert rows["gold_logprob"].to_numpy() == pytest.approx(one["gold_logprob"].to_numpy(), abs=1e-5)

@@ -26,7 +26,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..selection.architecture import layer_windows
 from .codecs import FULL_PRECISION, EntryCodec
 from .layout import AttentionTally, QueryLog, RaggedLayout, Recorder, active_scope
-from .segments import Segments, Slots
+from .quantized_segments import Store, kept_store, store_from_dense
+from .segments import Slots
 from .sliding import SlidingLayer
 
 if TYPE_CHECKING:
@@ -67,14 +68,14 @@ class SievedLayer(CacheLayerMixin):
     def __init__(self, codec: EntryCodec = FULL_PRECISION) -> None:
         super().__init__()
         self.codec = codec
-        self.segments: Segments | None = None
+        self.segments: Store | None = None
         self.seen_tokens = 0
         self.contiguous = True
         self.slots: Slots | None = None  # of the tensors the last `update` returned
         self.query_positions: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
+        self.dtype, self.device, self.head_dim = key_states.dtype, key_states.device, key_states.shape[-1]
         self.is_initialized = True
 
     def update(
@@ -92,7 +93,7 @@ class SievedLayer(CacheLayerMixin):
             positions = torch.arange(self.seen_tokens, self.seen_tokens + q, device=key_states.device)
         positions = positions.long()
         if self.segments is None:
-            self.segments = Segments.from_dense(key_states, value_states, positions, self.codec)
+            self.segments, view = store_from_dense(key_states, value_states, positions, self.codec)
         else:
             if key_states.shape[:2] != (self.segments.rows, self.segments.heads):
                 raise ValueError(
@@ -100,9 +101,8 @@ class SievedLayer(CacheLayerMixin):
                     f"for {key_states.shape[0]} x {key_states.shape[1]}; a pre-filled cache is not expanded for "
                     "beams or num_return_sequences: pass `cache.copy(rows=[0] * n)` for n rows"
                 )
-            self.segments.append(key_states, value_states, positions)
+            view = self.segments.append(key_states, value_states, positions)
         self.seen_tokens += q  # tokens fed, as `DynamicLayer` counts them (no device sync)
-        view = self.segments.padded()
         self.slots, self.query_positions = view.slots, positions
         return view.keys, view.values
 
@@ -146,6 +146,16 @@ class SievedLayer(CacheLayerMixin):
     def nbytes(self) -> int:
         return 0 if self.segments is None else self.segments.nbytes()
 
+    def row_nbytes(self, row: int) -> int:
+        """Bytes one sequence's entries take in this layer."""
+        return 0 if self.segments is None else self.segments.row_nbytes(row)
+
+    def reserved_nbytes(self) -> int:
+        """Bytes per sequence a byte budget sets aside for this layer: its residual's extra over quantized entries."""
+        if self.segments is None:
+            return 0
+        return self.segments.heads * self.codec.residual_bytes(self.head_dim, self.dtype)
+
     def allocated_nbytes(self) -> int:
         return 0 if self.segments is None else self.segments.allocated_nbytes()
 
@@ -175,10 +185,10 @@ class SievedLayer(CacheLayerMixin):
                 sources.append(row * heads + h)
                 indices.append(index)
         out = SievedLayer(codec or self.codec)
-        out.dtype, out.device, out.is_initialized = self.dtype, self.device, True
+        out.dtype, out.device, out.head_dim, out.is_initialized = self.dtype, self.device, self.head_dim, True
         out.seen_tokens = self.seen_tokens
         out.contiguous = self.contiguous and kept_all
-        out.segments = self.segments.select(sources, indices, rows=len(rows), codec=out.codec)
+        out.segments = kept_store(self.segments, sources, indices, len(rows), out.codec)
         return out
 
     def crop(self, max_length: int) -> None:
@@ -327,11 +337,16 @@ class SievedCache(Cache):
 
     def row_nbytes(self, row: int) -> int:
         """Bytes held by the keys and values of one sequence, every layer."""
-        return sum(sum(layer.stored_lengths(row)) * layer.entry_bytes() for layer in self.layers)
+        return sum(layer.row_nbytes(row) for layer in self.layers)
 
     def window_nbytes(self) -> int:
-        """Bytes one sequence's sliding-window layers hold once their windows are full (a byte budget's reserve)."""
+        """Bytes one sequence's sliding-window layers hold once their windows are full."""
         return sum(layer.window_nbytes() for layer in self.layers if layer.is_sliding)
+
+    def reserved_nbytes(self) -> int:
+        """Bytes per sequence a byte budget sets aside before it counts entries: the sliding-window layers at their
+        window, and the full-precision residuals of quantized layers beyond their entries' quantized bytes."""
+        return self.window_nbytes() + sum(self.layers[idx].reserved_nbytes() for idx in self.full_layers)
 
     def allocated_nbytes(self) -> int:
         """Bytes allocated: keys and values (`nbytes()`, growth room of 2% or one block per head, null entries),

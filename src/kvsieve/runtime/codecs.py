@@ -6,16 +6,18 @@ entry frees its bytes and never re-quantizes another.
 
 `Quantized` (after KIVI, arXiv 2402.02750): asymmetric min-max quantization to `bits` bits per
 number in groups of `group` channels, with each group's scale and minimum in the model's dtype;
-codes are packed `8 // bits` to a byte along the channels. KIVI quantizes values per token, as here,
-but keys per channel (one scale per channel shared by a group of 32 tokens, the newest tokens held
-in full precision until their group fills). Measured on the default model
-(`benchmarks/kv_quant_layouts.py`): per-token keys are better at 8 and 4 bits and KIVI's per-channel
-keys at 2 bits, where both lose more than evicting to the same bytes does. Per-token keys need no
-full-precision residual and no regrouping after an eviction, so they are what kvsieve stores.
+codes are packed `8 // bits` to a byte along the channels. As in KIVI, the newest `residual` entries
+of every (row, kv-head) stay in full precision (`kvsieve.runtime.quantized_segments`). KIVI
+quantizes values per token, as here, but keys per channel (one scale per channel shared by a group
+of 32 tokens). Measured on the default model (`benchmarks/kv_quant_layouts.py`): per-token keys are
+as good or better at 8 and 4 bits, KIVI's per-channel keys better at 2 bits, where both lose more
+than evicting to the same bytes does. Per-token keys never share a scale between entries, so an
+eviction never re-quantizes anything; they are what kvsieve stores.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -31,6 +33,8 @@ from .inputs import check_model
 KV_BITS = (2, 4, 8, 16)
 #: Channels that share one scale and minimum, unless the head dimension is smaller.
 DEFAULT_GROUP = 32
+#: The newest entries of every (row, kv-head) a quantized cache keeps in full precision (a policy's recent tail).
+DEFAULT_RESIDUAL = 32
 
 
 class EntryCodec(Protocol):
@@ -42,6 +46,10 @@ class EntryCodec(Protocol):
 
     def entry_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
         """Bytes one entry (key and value of `head_dim` channels each, computed in `dtype`) is stored in."""
+        ...
+
+    def residual_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes a (row, kv-head) holds beyond `entry_bytes` per entry: its full-precision residual's extra."""
         ...
 
     def check(self, head_dim: int) -> None:
@@ -62,6 +70,9 @@ class FullPrecision:
     def entry_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * head_dim * dtype.itemsize
 
+    def residual_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
+        return 0
+
     def check(self, head_dim: int) -> None:
         return None
 
@@ -74,17 +85,21 @@ class Quantized:
     """Every key and value quantized on its own: `bits` per number, one scale and minimum per `group` channels.
 
     Buffers per entry: key codes `[d * bits / 8]` uint8, key scale and minimum `[2 * d / group]`, and
-    the same for the value; scale and minimum are in the model's dtype.
+    the same for the value; scale and minimum are in the model's dtype. The newest `residual` entries of
+    every (row, kv-head) are kept in full precision.
     """
 
     bits: int
     group: int = DEFAULT_GROUP
+    residual: int = DEFAULT_RESIDUAL
 
     def __post_init__(self) -> None:
         if self.bits not in KV_BITS[:-1]:
             raise PolicyError(f"kv_bits={self.bits} is not supported; use one of {', '.join(map(str, KV_BITS))}")
         if not isinstance(self.group, int) or self.group < 1:
             raise PolicyError(f"kv_group must be a whole number >= 1, got {self.group!r}")
+        if not isinstance(self.residual, int) or self.residual < 0:
+            raise PolicyError(f"kv_residual must be a whole number >= 0, got {self.residual!r}")
 
     @property
     def per_byte(self) -> int:
@@ -92,6 +107,9 @@ class Quantized:
 
     def entry_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * (head_dim * self.bits // 8 + 2 * (head_dim // self.group) * dtype.itemsize)
+
+    def residual_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
+        return self.residual * (FULL_PRECISION.entry_bytes(head_dim, dtype) - self.entry_bytes(head_dim, dtype))
 
     def check(self, head_dim: int) -> None:
         if head_dim % self.group:
@@ -146,21 +164,49 @@ def stored_entry_bytes(codec: EntryCodec, observations: Sequence[Observation]) -
     return codec.entry_bytes(keys.shape[-1], keys.dtype)
 
 
-def codec_for(model: torch.nn.Module, kv_bits: int = 16, kv_group: int | None = None) -> EntryCodec:
-    """`make_codec` checked against the model's head dimension (a clear error before any work)."""
-    check_model(model)
-    return make_codec(kv_bits, kv_group, kv_geometry(model)[1])
+def residual_nbytes(codec: EntryCodec, observations: Sequence[Observation]) -> int:
+    """Bytes one sequence's observed layers hold beyond `entry_bytes` per entry, stored by `codec` (its residuals)."""
+    return sum(o.num_kv_heads * codec.residual_bytes(o.keys.shape[-1], o.keys.dtype) for o in observations)
 
 
-def make_codec(kv_bits: int = 16, kv_group: int | None = None, head_dim: int | None = None) -> EntryCodec:
+def make_codec(
+    kv_bits: int = 16, kv_group: int | None = None, head_dim: int | None = None, kv_residual: int | None = None
+) -> EntryCodec:
     """The codec for `kv_bits` (16: full precision); `kv_group` defaults to 32 channels, or the head dimension
-    when that is smaller. With `head_dim`, checked against it (a clear error names the problem)."""
+    when that is smaller, `kv_residual` to 32 entries. With `head_dim`, checked against it (a clear error
+    names the problem)."""
     if kv_bits == 16:
-        if kv_group is not None:
-            raise PolicyError("kv_group applies to quantized entries: give it with kv_bits=8, 4 or 2")
+        if kv_group is not None or kv_residual is not None:
+            raise PolicyError("kv_group and kv_residual apply to quantized entries: give them with kv_bits=8, 4 or 2")
         return FULL_PRECISION
     group = kv_group if kv_group is not None else min(DEFAULT_GROUP, head_dim or DEFAULT_GROUP)
-    codec = Quantized(kv_bits, group)
+    codec = Quantized(kv_bits, group, DEFAULT_RESIDUAL if kv_residual is None else kv_residual)
     if head_dim is not None:
         codec.check(head_dim)
     return codec
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How kept entries are stored, with `kvsieve.compress`'s names: `kv_bits` (16: the model's dtype; 8, 4, 2),
+    `kv_group` channels per scale (default 32, or the head dimension when smaller) and the `kv_residual` newest
+    entries of every (row, kv-head) kept in full precision (default 32). Checked when built."""
+
+    kv_bits: int = 16
+    kv_group: int | None = None
+    kv_residual: int | None = None
+
+    def __post_init__(self) -> None:
+        make_codec(self.kv_bits, self.kv_group, kv_residual=self.kv_residual)
+
+    def codec(self, model: torch.nn.Module) -> EntryCodec:
+        """The codec for `model`'s entries (a clear error when the group does not fit its head dimension)."""
+        check_model(model)
+        return make_codec(self.kv_bits, self.kv_group, kv_geometry(model)[1], self.kv_residual)
+
+    def parameters(self) -> dict[str, int]:
+        """The parameters that differ from full precision, by name."""
+        return {key: value for key, value in dataclasses.asdict(self).items() if value not in (16, None)}
+
+
+FULL_STORAGE = Storage()

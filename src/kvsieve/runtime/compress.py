@@ -16,7 +16,7 @@ from ..selection.protection import question_protection
 from ..selection.spec import make_policy
 from .attention import sieve_attention
 from .cache import SievedCache
-from .codecs import FULL_PRECISION, EntryCodec, codec_for, stored_entry_bytes
+from .codecs import FULL_PRECISION, EntryCodec, Storage, residual_nbytes, stored_entry_bytes
 from .growth import DEFAULT_BUFFER, BoundedGrowth
 from .inputs import check_input_ids
 from .prefill import Prefill, observe_prefill
@@ -58,6 +58,7 @@ def compress(
     spans: torch.Tensor | None = None,
     kv_bits: int = 16,
     kv_group: int | None = None,
+    kv_residual: int | None = None,
     **policy_params: object,
 ) -> SievedCache:
     """Prefill `input_ids` and return a cache that holds what the budget allows of each sequence.
@@ -102,14 +103,15 @@ def compress(
             tokens) are spans of their own. Other projections ignore it.
         kv_bits: bits per number the kept entries are stored in: 16 (the model's dtype), 8, 4 or 2
             (`kvsieve.runtime.codecs.Quantized`: each key and value on its own, a scale and a minimum per
-            `kv_group` channels, default 32); `max_bytes` counts those bytes. The prefill and its
-            scoring read the entries before quantization; later forwards read them dequantized.
+            `kv_group` channels, default 32), the newest `kv_residual` (default 32) of every (row,
+            kv-head) in full precision; `max_bytes` counts those bytes. The prefill and its scoring read
+            the entries as computed; later forwards read them back quantized.
         policy_params: scorer and allocator parameters, the protection (`n_sink`, `n_recent`) and the
             projection (`projection`: ``topk``, ``chunk``, ``sentence``; `chunk_size` for ``chunk``).
     """
     budget = make_budget(rate, max_tokens, max_bytes)
     resolved = make_policy(policy, allocator, **policy_params)
-    codec = codec_for(model, kv_bits, kv_group)
+    codec = Storage(kv_bits, kv_group, kv_residual).codec(model)
     return compress_with(
         model,
         input_ids,
@@ -140,7 +142,7 @@ def compress_with(
     codec: EntryCodec = FULL_PRECISION,
 ) -> SievedCache:
     """`compress` with the policy, the budget and the codec already built (`make_policy`, `make_budget`,
-    `codec_for`)."""
+    `Storage.codec`)."""
     check_input_ids(model, input_ids)
     refuse_unevictable(model, budget)
     row_spans = spans_per_row(spans, input_ids, attention_mask)
@@ -177,16 +179,17 @@ def _kept_per_row(
 ) -> list[list[list[torch.Tensor]]]:
     """Stored indices every row of `prefill` keeps; a policy error names the row of a batch.
 
-    A byte budget pays for the sliding-window layers' windows first (`Budget.reserve`) and counts
-    entries as `codec` stores them. `spans`: each row's span ids over its real tokens (`spans_per_row`).
+    A byte budget pays for the sliding-window layers' windows and the codec's full-precision residuals
+    first (`Budget.reserve`) and counts entries as `codec` stores them. `spans`: each row's span ids
+    over its real tokens (`spans_per_row`).
     """
-    limit = limit.reserve(prefill.cache.window_nbytes())
     keep = []
     for row, observations in enumerate(prefill.observations):
         try:
             row_spans = None if spans is None else spans[row]
+            budget = limit.reserve(prefill.cache.window_nbytes() + residual_nbytes(codec, observations))
             stored = stored_entry_bytes(codec, observations)
-            keep.append(prefill.stored(row, policy.select(observations, limit, protect, row_spans, stored)))
+            keep.append(prefill.stored(row, policy.select(observations, budget, protect, row_spans, stored)))
         except PolicyError as err:
             if len(prefill.observations) == 1:
                 raise
@@ -277,6 +280,7 @@ def bounded_cache(
     allocator: str | None = None,
     kv_bits: int = 16,
     kv_group: int | None = None,
+    kv_residual: int | None = None,
     **policy_params: object,
 ) -> SievedCache:
     """An empty cache that holds a size budget from its first token on: feed it a stream of any length.
@@ -292,13 +296,13 @@ def bounded_cache(
         policy, allocator, policy_params: as for `compress`.
         max_tokens, max_bytes: the size (one of them), as for `compress`.
         buffer: entries per (layer, kv-head) the cache grows past the budget before it is evicted.
-        kv_bits, kv_group: how entries are stored, as for `compress` (every entry, from the first token).
+        kv_bits, kv_group, kv_residual: how entries are stored, as for `compress` (from the first token).
     """
     if max_tokens is None and max_bytes is None:
         raise PolicyError("a bounded cache needs a size: max_tokens or max_bytes")
     resolved = make_policy(policy, allocator, **policy_params)
     budget = make_budget(None, max_tokens, max_bytes)
-    return bounded_cache_with(model, resolved, budget, buffer, codec_for(model, kv_bits, kv_group))
+    return bounded_cache_with(model, resolved, budget, buffer, Storage(kv_bits, kv_group, kv_residual).codec(model))
 
 
 def bounded_cache_with(

@@ -12,7 +12,7 @@ from ..selection.deprecation import renamed_keywords
 from ..selection.errors import PolicyError
 from ..selection.policy import Policy
 from ..selection.spec import make_policy
-from .codecs import EntryCodec, codec_for, make_codec
+from .codecs import EntryCodec, Storage
 from .decoding import refuse_span_projection
 from .growth import DEFAULT_BUFFER
 
@@ -29,8 +29,8 @@ class EvictionConfig:
     generation: the cache is evicted back to it whenever it has grown by `buffer` tokens per (layer,
     kv-head) (`buffer=None`: compress the prompt only). `policy` is a `Policy` or a spec (scorer,
     optionally ``+allocator`` and parameters); `allocator`, `n_sink` and `n_recent` override the
-    spec's. `kv_bits` (16, 8, 4, 2) and `kv_group` say how the kept entries are stored
-    (`kvsieve.compress`). The keywords of kvsieve 0.1 (`eviction_rate`, `eviction_mode`, `budget` for the
+    spec's. `kv_bits` (16, 8, 4, 2), `kv_group` and `kv_residual` say how the kept entries are
+    stored (`kvsieve.compress`). The keywords of kvsieve 0.1 (`eviction_rate`, `eviction_mode`, `budget` for the
     allocator, `sliding_window` for `n_recent`) still work, with a `DeprecationWarning`.
     """
 
@@ -44,6 +44,7 @@ class EvictionConfig:
     n_recent: int | None = None
     kv_bits: int = 16
     kv_group: int | None = None
+    kv_residual: int | None = None
     eviction_rate: InitVar[float | None] = None
     eviction_mode: InitVar[str | None] = None
     budget: InitVar[str | None] = None
@@ -63,7 +64,7 @@ class EvictionConfig:
                 raise PolicyError(f"EvictionConfig: give {name}= only (it has a deprecated name too)")
             object.__setattr__(self, name, value)
         self.limit()  # validates the budget
-        make_codec(self.kv_bits, self.kv_group)  # validates the storage (the head dimension: `codec`)
+        self.storage()  # validates it (the head dimension: `codec`)
         overrides = {k: v for k, v in (("n_sink", self.n_sink), ("n_recent", self.n_recent)) if v is not None}
         policy = make_policy(self.policy, self.allocator, **overrides)
         refuse_span_projection(policy)
@@ -80,9 +81,13 @@ class EvictionConfig:
         """The budget as a `Rate`, `MaxTokens` or `MaxBytes`."""
         return make_budget(self.rate, self.max_tokens, self.max_bytes)
 
+    def storage(self) -> Storage:
+        """How the kept entries are stored."""
+        return Storage(self.kv_bits, self.kv_group, self.kv_residual)
+
     def codec(self, model: torch.nn.Module) -> EntryCodec:
         """How the model's kept entries are stored (checked against its head dimension)."""
-        return codec_for(model, self.kv_bits, self.kv_group)
+        return self.storage().codec(model)
 
     def generation_buffer(self) -> int | None:
         """The buffer that bounds generation: `buffer` for a size, None for a rate."""

@@ -13,7 +13,7 @@ from ..selection.observation import Observation
 from ..selection.policy import Policy
 from ..selection.spec import make_policy
 from .cache import SievedCache
-from .codecs import FULL_PRECISION, EntryCodec, stored_entry_bytes
+from .codecs import FULL_PRECISION, EntryCodec, residual_nbytes, stored_entry_bytes
 from .prefill import Prefill
 
 
@@ -56,7 +56,8 @@ def evictions(
     "Prefill once, sieve many" in one batch: a sweep decodes every (policy, rate) of a sample in
     one batched pass. The prefill's own cache is left as it is.
     """
-    reserved = prefill.cache.window_nbytes()
-    stored = stored_entry_bytes(codec, prefill.observations[row])
+    observations = prefill.observations[row]
+    reserved = prefill.cache.window_nbytes() + residual_nbytes(codec, observations)
+    stored = stored_entry_bytes(codec, observations)
     keep = [prefill.stored(row, plan.kept_entries(prefill.observations[row], reserved, stored)) for plan in plans]
     return prefill.cache.keep(keep, rows=[row] * len(keep), codec=codec)

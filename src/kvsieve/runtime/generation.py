@@ -10,7 +10,7 @@ from ..selection.policy import Policy
 from ..selection.spec import make_policy
 from .attention import sieve_attention
 from .cache import SievedCache
-from .codecs import codec_for
+from .codecs import Storage
 from .decoding import generate_compressed, refuse_beams
 from .inputs import check_input_ids
 
@@ -29,6 +29,7 @@ def generate(
     question_ids: torch.Tensor | None = None,
     kv_bits: int = 16,
     kv_group: int | None = None,
+    kv_residual: int | None = None,
     **generate_kwargs: object,
 ) -> torch.Tensor:
     """Generate from a compressed cache under sieve attention.
@@ -37,7 +38,7 @@ def generate(
     `policy` and the budget (as `kvsieve.compress`; with `buffer`, a size budget also holds while
     generating), then `model.generate` runs; returns the prompt followed by the new tokens. With
     `question_ids` the prompt is `input_ids` then the question, compressed question-aware (the
-    question stays protected); `kv_bits` and `kv_group` store the entries as `compress` does. The rule
+    question stays protected); `kv_bits`, `kv_group`, `kv_residual` store the entries as `compress` does. The rule
     for prompts too short to evict is `kvsieve.apply`'s
     (`kvsieve.runtime.decoding`): under a rate they are generated from the model's own cache.
 
@@ -60,13 +61,13 @@ def generate(
             buffer,
             attention_mask=attention_mask,
             question_ids=question_ids,
-            codec=codec_for(model, kv_bits, kv_group),
+            codec=Storage(kv_bits, kv_group, kv_residual).codec(model),
             **generate_kwargs,
         )
         return out
     check_input_ids(model, input_ids)
     refuse_beams(model, generate_kwargs, "a compressed cache")
-    given = (attention_mask, rate, max_tokens, max_bytes, question_ids, kv_group)
+    given = (attention_mask, rate, max_tokens, max_bytes, question_ids, kv_group, kv_residual)
     if any(value is not None for value in given) or kv_bits != 16:
         raise PolicyError(
             "with a cache, give only the new tokens: its budget, padding and storage were set by compress"

@@ -156,7 +156,7 @@ class BoundedGrowth:
         if not layers or any(segments is None for segments in layers):
             return
         heads = sum(segments.heads for segments in layers)
-        budget = self.budget.reserve(cache.window_nbytes())  # sliding-window layers' bytes come first
+        budget = self.budget.reserve(cache.reserved_nbytes())  # windows and full-precision residuals come first
         limit = budget.tokens_per_head(heads, layers[0].entry_bytes()) + self.buffer
         if max(cache.mean_stored(row) for row in range(cache.batch_size)) + incoming <= limit:
             return
@@ -164,7 +164,7 @@ class BoundedGrowth:
 
     def evict(self, cache: SievedCache) -> None:
         """Evict every sequence of `cache` back to the budget."""
-        budget = self.budget.reserve(cache.window_nbytes())  # sliding-window layers' bytes come first
+        budget = self.budget.reserve(cache.reserved_nbytes())  # windows and full-precision residuals come first
         stored = cache.layers[cache.full_layers[0]].entry_bytes()  # as the cache stores them (quantized: fewer)
         keep = []
         for row in range(cache.batch_size):

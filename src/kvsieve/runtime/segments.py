@@ -51,12 +51,14 @@ class Slots:
         bias: `[rows, heads, width]` additive attention bias, 0 where a slot holds an entry and
             -inf where it is padding; None when every slot holds one.
         source: the positions, `[rows, heads, width]` for a grid, the flat buffer otherwise.
-        index: the flat buffer row of every slot (None for a grid).
+        index: the flat buffer row of every slot (None when `source` is the grid of positions).
+        left_aligned: the slots that hold entries come first in every row (the padding last).
     """
 
     bias: torch.Tensor | None
     source: torch.Tensor
     index: torch.Tensor | None
+    left_aligned: bool = True
 
     def valid(self) -> torch.Tensor | None:
         """`[rows, heads, width]` bool: which slots hold an entry (None: all of them)."""
@@ -67,6 +69,20 @@ class Slots:
         if self.index is None:
             return self.source
         return self.source.index_select(0, self.index).view(self.bias.shape)
+
+
+@dataclass(frozen=True)
+class Entries:
+    """Entries outside a `Segments`, in the model's dtype: keys `[n, d]`, values `[n, dv]`, cache positions `[n]`,
+    and the attention each received (`[n, group]`, None when it is not kept)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    received: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.positions.shape[0])
 
 
 @dataclass(frozen=True)
@@ -135,7 +151,7 @@ class Segments:
         self.grid = len(set(self.capacity)) == 1 and len(set(self.lengths)) == 1
         if self.grid:
             shape = (self.rows, self.heads, self.capacity[0])
-            self._grids = tuple(buffer[:-1].view(*shape, -1) for buffer in data)
+            self._grids = tuple(buffer[:-1].view(*shape, buffer.shape[-1]) for buffer in data)
             self._position_grid = positions[:-1].view(shape)
             return
         lengths_t = torch.tensor(self.lengths, dtype=torch.long, device=device)
@@ -206,8 +222,19 @@ class Segments:
         keys, values = self.codec.decode(tuple(buffer[start:stop] for buffer in self.data), self.dtype)
         return keys, values, self.positions[start:stop]
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append `[rows, heads, q, d]` states at cache positions `[q]` to every segment."""
+    def entries(self, segment: int, index: torch.Tensor) -> Entries:
+        """Entries `index` of segment `segment` (`row * heads + head`), read back into the model's dtype."""
+        rows = index.to(self.positions.device) + self.starts[segment]
+        keys, values = self.codec.decode(tuple(buffer.index_select(0, rows) for buffer in self.data), self.dtype)
+        received = None if self.received is None else self.received.index_select(0, rows)
+        return Entries(keys, values, self.positions.index_select(0, rows), received)
+
+    def append(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, received: torch.Tensor | None = None
+    ) -> PaddedView:
+        """Append `[rows, heads, q, d]` states at cache positions `[q]` to every segment (with the attention they
+        received so far, `[rows, heads, q, group]`, when this layer keeps it; else they start at 0); the view
+        after it."""
         q = keys.shape[2]
         if self.free < q:
             self._relayout(q)
@@ -217,6 +244,7 @@ class Segments:
             for grid, states in zip(self._grids, encoded, strict=True):
                 grid.narrow(2, n, q).copy_(states)
             self._position_grid.narrow(2, n, q).copy_(positions)
+            target = None
         else:
             cursor = self._cursor[:, :, None]
             if q > 1:
@@ -227,8 +255,14 @@ class Segments:
             self.positions.index_copy_(0, target, positions.expand(self.segments, q).flatten())
             self.bias.view(-1).index_fill_(0, filled, 0.0)
             self._cursor += q
+        if received is not None and self.received is not None:
+            if target is None:
+                self._received_grid().narrow(2, self.lengths[0], q).copy_(received)
+            else:
+                self.received.index_copy_(0, target, received.reshape(-1, self.group).float())
         self.lengths = [n + q for n in self.lengths]
         self.free -= q
+        return self.padded()
 
     def _relayout(self, incoming: int) -> None:
         """Move the entries into new buffers that give every segment room for `incoming` more, plus growth room."""
@@ -260,11 +294,17 @@ class Segments:
         return PaddedView(keys, values, Slots(self.bias.view(shape), self.positions, index))
 
     def select(
-        self, sources: Sequence[int], indices: Sequence[torch.Tensor], rows: int, codec: EntryCodec | None = None
+        self,
+        sources: Sequence[int],
+        indices: Sequence[torch.Tensor],
+        rows: int,
+        codec: EntryCodec | None = None,
+        extra: Sequence[Entries] | None = None,
     ) -> Segments:
-        """New exactly-sized segments: output segment `i` keeps entries `indices[i]` of segment `sources[i]`.
+        """New exactly-sized segments: output segment `i` keeps entries `indices[i]` of segment `sources[i]`,
+        then the entries `extra[i]` (held outside, in the model's dtype), stored by `codec`.
 
-        With another `codec`, the kept entries are read back and stored by it (full precision into
+        With another `codec` the kept entries are read back and stored by it (full precision into
         quantized: compressing a prefill into fewer bits); otherwise their buffers are copied as they are.
         """
         device = self.positions.device
@@ -274,16 +314,25 @@ class Segments:
         ]
         lengths = [int(p.numel()) for p in pieces]
         flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long, device=device)
+        target = codec or self.codec
         kept = tuple(buffer.index_select(0, flat) for buffer in self.data)
-        if codec is not None and codec != self.codec:
-            kept = codec.encode(*self.codec.decode(kept, self.dtype))
-        out = Segments.unfilled(lengths, rows, kept, codec or self.codec, self.dtype)
+        if target != self.codec:
+            kept = target.encode(*self.codec.decode(kept, self.dtype))
+        positions = self.positions.index_select(0, flat)
+        received = None if self.received is None else self.received.index_select(0, flat)
+        if extra is not None:
+            kept, positions, received, lengths = _with_extra(target, kept, positions, received, lengths, extra)
+        out = Segments.unfilled(lengths, rows, kept, target, self.dtype)
         for new, rows_kept in zip(out.data, kept, strict=True):
             new[:-1] = rows_kept
-        out.positions[:-1] = self.positions.index_select(0, flat)
-        if self.received is not None:
-            out.received = torch.cat([self.received.index_select(0, flat), self.received.new_zeros(1, self.group)])
+        out.positions[:-1] = positions
+        if received is not None:
+            out.received = torch.cat([received, received.new_zeros(1, received.shape[1])])
         return out
+
+    def row_nbytes(self, row: int) -> int:
+        """Bytes of one sequence's stored keys and values."""
+        return sum(self.lengths[row * self.heads : (row + 1) * self.heads]) * self.entry_bytes()
 
     @property
     def group(self) -> int:
@@ -310,3 +359,29 @@ class Segments:
         else:
             self.received.index_add_(0, self.slots.view(-1), received.reshape(-1, self.group).float())
             self.received[-1] = 0
+
+
+def _with_extra(
+    codec: EntryCodec,
+    kept: tuple[torch.Tensor, ...],
+    positions: torch.Tensor,
+    received: torch.Tensor | None,
+    lengths: list[int],
+    extra: Sequence[Entries],
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor | None, list[int]]:
+    """Kept rows with every segment's `extra` entries encoded and placed after its own (flat, segment by segment).
+
+    `extra` carries the attention its entries received exactly when the kept rows do.
+    """
+    encoded = codec.encode(torch.cat([e.keys for e in extra]), torch.cat([e.values for e in extra]))
+    first, second = 0, sum(lengths)
+    pieces = []
+    for own, entries in zip(lengths, extra, strict=True):
+        pieces += [torch.arange(first, first + own), torch.arange(second, second + len(entries))]
+        first, second = first + own, second + len(entries)
+    order = torch.cat(pieces).to(positions.device)
+    rows = tuple(torch.cat([k, e]).index_select(0, order) for k, e in zip(kept, encoded, strict=True))
+    positions = torch.cat([positions, *(e.positions for e in extra)]).index_select(0, order)
+    if received is not None:
+        received = torch.cat([received, *(e.received for e in extra)]).index_select(0, order)
+    return rows, positions, received, [own + len(e) for own, e in zip(lengths, extra, strict=True)]

@@ -65,6 +65,10 @@ class SlidingLayer(DynamicSlidingWindowLayer):
             return 0
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
+    def row_nbytes(self, row: int) -> int:
+        """Bytes of one row's keys and values (every row holds the same window)."""
+        return self.nbytes() // self.batch_size if self.filled else 0
+
     def allocated_nbytes(self) -> int:
         """Bytes of the storage the keys and values keep alive (after a forward: the window plus its new tokens)."""
         if not self.filled:

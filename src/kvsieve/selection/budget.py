@@ -148,8 +148,9 @@ class MaxTokens:
 class MaxBytes:
     """Hold at most `max_bytes` of keys and values for the sequence: `MaxTokens` of what fits per (layer, kv-head).
 
-    `reserved`: bytes per sequence held by layers no policy evicts (sliding-window layers at a full
-    window), set aside before the evictable layers get any.
+    `reserved`: bytes per sequence set aside before the evictable entries get any: layers no policy
+    evicts (sliding-window layers at a full window), and what a quantized cache holds beyond its
+    entries' quantized bytes (its full-precision residuals).
     """
 
     max_bytes: int
@@ -167,10 +168,10 @@ class MaxBytes:
         per_head = max(0, self.max_bytes - self.reserved) // (heads * entry_bytes)
         if per_head < 1 and self.reserved:
             raise PolicyError(
-                f"max_bytes={self.max_bytes} does not fit the sliding-window layers at their window "
-                f"({self.reserved} bytes per sequence, set aside first) plus one entry per full-attention "
-                f"(layer, kv-head) ({heads} heads x {entry_bytes} bytes): {self.reserved + heads * entry_bytes} "
-                "bytes at least"
+                f"max_bytes={self.max_bytes} does not fit what is set aside first ({self.reserved} bytes per "
+                "sequence: sliding-window layers at their window, full-precision residuals of quantized entries) "
+                f"plus one entry per full-attention (layer, kv-head) ({heads} heads x {entry_bytes} bytes): "
+                f"{self.reserved + heads * entry_bytes} bytes at least"
             )
         if per_head < 1:
             raise PolicyError(

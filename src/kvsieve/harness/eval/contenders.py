@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-from ...runtime.codecs import make_codec
+import dataclasses
+
+from ...runtime.codecs import Storage
 from ...selection.errors import PolicyError
 from ...selection.policy import Policy
 from ...selection.spec import make_policy, split_policies
 from .methods import FULL, KVPRESS_PREFIX, CacheMethod, FullCache, KvpressPress, KvsievePolicy
 
 #: Parameters of a kvsieve spec that say how the kept entries are stored, not which are kept.
-STORAGE_PARAMETERS = ("kv_bits", "kv_group")
+STORAGE_PARAMETERS = tuple(field.name for field in dataclasses.fields(Storage))
 
 
 def kvsieve_method(spec: str | Policy) -> KvsievePolicy:
     """A kvsieve policy from its spec, whose parameters may also say how its kept entries are stored:
-    ``"trimkv+global:kv_bits=4"``, ``"snapkv:window=16,kv_bits=2,kv_group=16"`` (`kvsieve.compress`'s names)."""
+    ``"trimkv+global:kv_bits=4"``, ``"snapkv:window=16,kv_bits=2,kv_residual=64"`` (`kvsieve.compress`'s names)."""
     if isinstance(spec, Policy):
         return KvsievePolicy(spec)
     head, _, text = spec.partition(":")
@@ -29,8 +31,8 @@ def kvsieve_method(spec: str | Policy) -> KvsievePolicy:
             raise PolicyError(f"{spec}: {key} must be a whole number, got {value!r}")
         else:
             storage[key] = int(value)
-    make_codec(**storage)  # the head dimension is checked when a model stores them
-    return KvsievePolicy(make_policy(f"{head}:{','.join(kept)}" if kept else head), **storage)
+    policy = make_policy(f"{head}:{','.join(kept)}" if kept else head)
+    return KvsievePolicy(policy, Storage(**storage))  # the head dimension is checked when a model stores them
 
 
 def with_kv_bits(specs: list[str], kv_bits: int | None) -> list[str]:

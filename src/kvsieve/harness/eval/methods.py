@@ -31,7 +31,7 @@ from transformers import Cache
 
 from ...runtime.attention import sieve_attention
 from ...runtime.cache import SievedCache
-from ...runtime.codecs import codec_for
+from ...runtime.codecs import FULL_STORAGE, Storage
 from ...runtime.compress import bounded_cache_with
 from ...runtime.evictions import Eviction, evictions
 from ...runtime.prefill import Prefill, observe_prefill
@@ -177,19 +177,18 @@ class Evicting(CacheMethod, Protocol):
 class FromPrefill:
     """Every configuration evicts from the case's one observed prefill; one row each ("prefill once, sieve many").
 
-    The kept entries are stored as `kv_bits` and `kv_group` say (`kvsieve.compress`): configurations of
-    other storage are other builds from the same prefill.
+    The kept entries are stored as `storage` says (`kvsieve.compress`'s `kv_bits`, ...): configurations
+    of other storage are other builds from the same prefill.
     """
 
     max_rows: int | None = None
     shares_prefill: bool = True
-    kv_bits: int = 16
-    kv_group: int | None = None
+    storage: Storage = FULL_STORAGE
 
     def build(self, model: torch.nn.Module, case: Case, todo: Sequence[tuple[Evicting, float]]) -> Compressed:
         prefill = case.prefill(model)
         plans = [method.eviction(case, rate) for method, rate in todo]
-        cache = evictions(prefill, plans, codec=codec_for(model, self.kv_bits, self.kv_group))
+        cache = evictions(prefill, plans, codec=self.storage.codec(model))
         rows = range(len(plans))
         return Compressed(
             cache,
@@ -238,31 +237,25 @@ class FullCache:
 class KvsievePolicy:
     """A kvsieve policy at a rate; question-aware cases protect the question as `kvsieve.compress` does.
 
-    `kv_bits` and `kv_group` say how the kept entries are stored; named as policy parameters
+    `storage` says how the kept entries are stored; named as policy parameters
     (``snapkv+adaptive:window=16,kv_bits=4``).
     """
 
     policy: Policy
-    kv_bits: int = 16
-    kv_group: int | None = None
+    storage: Storage = FULL_STORAGE
     library: ClassVar[str] = "kvsieve"
     is_full: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
-        storage = [f"{key}={value}" for key, value in self.storage().items()]
+        storage = [f"{key}={value}" for key, value in self.storage.parameters().items()]
         if not storage:
             return self.policy.name
         return f"{self.policy.name}{',' if ':' in self.policy.name else ':'}{','.join(storage)}"
 
-    def storage(self) -> dict[str, int]:
-        """The storage parameters that differ from full precision, as `compress` takes them."""
-        given = {"kv_bits": self.kv_bits, "kv_group": self.kv_group}
-        return {key: value for key, value in given.items() if value not in (16, None)}
-
     @property
     def builder(self) -> CacheBuilder:
-        return FromPrefill(kv_bits=self.kv_bits, kv_group=self.kv_group)
+        return FromPrefill(storage=self.storage)
 
     @property
     def needs(self) -> Needs:
@@ -285,7 +278,7 @@ class KvsievePolicy:
         if budget is None:
             raise ValueError(f"{self.name} streams at a budget (max_tokens)")
         policy = reseeded(self.policy, seed)
-        codec = codec_for(model, self.kv_bits, self.kv_group)
+        codec = self.storage.codec(model)
         return SievedStream(model, bounded_cache_with(model, policy, MaxTokens(budget), buffer, codec))
 
 

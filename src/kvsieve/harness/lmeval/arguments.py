@@ -29,6 +29,7 @@ class ModelArgs:
     allocator: str | None = None
     kv_bits: int = 16
     kv_group: int | None = None
+    kv_residual: int | None = None
     question_aware: bool = False
     question_marker: str = QUESTION_MARKER
     dtype: str = "float32"
@@ -64,7 +65,8 @@ class ModelArgs:
     def eviction_config(self) -> EvictionConfig | None:
         """The policy and budget (None for the full cache)."""
         if str(self.policy) == FULL:
-            if any(v is not None for v in (self.rate, self.max_tokens, self.max_bytes, self.allocator, self.kv_group)):
+            given = (self.rate, self.max_tokens, self.max_bytes, self.allocator, self.kv_group, self.kv_residual)
+            if any(v is not None for v in given):
                 raise PolicyError(f"policy={FULL} keeps every entry: give no rate, size or allocator with it")
             if self.kv_bits != 16:
                 raise PolicyError(
@@ -81,6 +83,7 @@ class ModelArgs:
             allocator=self.allocator,
             kv_bits=self.kv_bits,
             kv_group=self.kv_group,
+            kv_residual=self.kv_residual,
         )
 
 

@@ -1,0 +1,118 @@
+"""Which layout quantized entries use: kvsieve's per-entry groups against KIVI's per-channel keys (arXiv 2402.02750).
+
+The perplexity protocol (DESIGN §4) on held-back essays with nothing evicted: the 1,024-token prefix
+is prefilled in full precision, its keys and values are replaced by what a quantized cache would
+read back, and the next 512 tokens are scored through that cache. Both layouts keep one scale and
+one minimum per group of 32 numbers (the same bytes):
+
+- per entry (kvsieve's `Quantized` codec): every key and every value in groups of 32 channels;
+- KIVI: keys per channel in groups of 32 tokens (the last, partial group left in full precision,
+  as KIVI's residual), values per entry as above.
+
+A last row per width is kvsieve's real cache (`compress(..., rate=0, kv_bits=b)`), in which the 512
+scored tokens are stored quantized too as they are appended.
+
+    python benchmarks/kv_quant_layouts.py [--docs 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+import kvsieve
+from kvsieve.harness.data import essay_split, sample_documents
+from kvsieve.harness.progress import console
+from kvsieve.harness.report import markdown_table
+from kvsieve.runtime.codecs import Quantized
+
+RESULTS = Path(__file__).parent / "results"
+PREFIX, CONTINUATION, GROUP = 1024, 512, 32
+
+#: keys `[b, h, t, d]`, values -> what the cache reads back
+Layout = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def per_entry(bits: int) -> Layout:
+    codec = Quantized(bits, GROUP)
+    return lambda keys, values: codec.decode(codec.encode(keys, values), keys.dtype)
+
+
+def kivi(bits: int) -> Layout:
+    """Keys per channel over groups of 32 tokens (min-max, asymmetric), the last partial group unquantized."""
+    codec = Quantized(bits, GROUP)
+
+    def layout(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        full = keys.shape[2] // GROUP * GROUP
+        by_channel = keys[:, :, :full].transpose(2, 3)  # [b, h, d, tokens]: groups of tokens per channel
+        read, _ = codec.decode(codec.encode(by_channel, by_channel), keys.dtype)
+        out = keys.clone()
+        out[:, :, :full] = read.transpose(2, 3)
+        return out, codec.decode(codec.encode(values, values), values.dtype)[1]
+
+    return layout
+
+
+@torch.no_grad()
+def nll_with(model: torch.nn.Module, ids: torch.Tensor, layout: Layout | None) -> float:
+    cache = DynamicCache(config=model.config)
+    model(ids[:, :PREFIX], past_key_values=cache)
+    if layout is not None:
+        for layer in cache.layers:
+            layer.keys, layer.values = layout(layer.keys, layer.values)
+    logits = model(ids[:, PREFIX : PREFIX + CONTINUATION], past_key_values=cache).logits[0]
+    return float(F.cross_entropy(logits.float(), ids[0, PREFIX + 1 : PREFIX + CONTINUATION + 1], reduction="sum"))
+
+
+@torch.no_grad()
+def nll_kvsieve(model: torch.nn.Module, ids: torch.Tensor, bits: int) -> float:
+    cache = kvsieve.compress(model, ids[:, :PREFIX], "streaming", rate=0.0, kv_bits=bits)
+    with kvsieve.sieve_attention(model):
+        logits = model(ids[:, PREFIX : PREFIX + CONTINUATION], past_key_values=cache).logits[0]
+    return float(F.cross_entropy(logits.float(), ids[0, PREFIX + 1 : PREFIX + CONTINUATION + 1], reduction="sum"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--docs", type=int, default=4)
+    args = parser.parse_args()
+    model, tokenizer = kvsieve.load_model()
+    documents = sample_documents(tokenizer, args.docs, PREFIX + CONTINUATION + 1, names=essay_split()[1])
+    tokens = args.docs * CONTINUATION
+
+    def ppl(score: Callable[[torch.Tensor], float]) -> float:
+        return math.exp(sum(score(ids) for _, ids in documents) / tokens)
+
+    full = ppl(lambda ids: nll_with(model, ids, None))
+    rows = []
+    for bits in (8, 4, 2):
+        for name, value in (
+            ("per entry (kvsieve)", ppl(lambda ids, b=bits: nll_with(model, ids, per_entry(b)))),
+            ("keys per channel (KIVI)", ppl(lambda ids, b=bits: nll_with(model, ids, kivi(b)))),
+            ("kvsieve cache, scored tokens quantized too", ppl(lambda ids, b=bits: nll_kvsieve(model, ids, b))),
+        ):
+            rows.append({"bits": bits, "layout": name, "ppl": value, "delta_pct": 100 * (value / full - 1)})
+            console.print(f"{bits} bits, {name}: PPL {value:.3f} ({rows[-1]['delta_pct']:+.2f}%)")
+    report = {"docs": args.docs, "prefix": PREFIX, "continuation": CONTINUATION, "group": GROUP, "full_ppl": full}
+    report["rows"] = rows
+    body = [[r["bits"], r["layout"], f"{r['ppl']:.3f}", f"{r['delta_pct']:+.2f}%"] for r in rows]
+    note = (
+        f"\nfull-cache PPL {full:.3f}; {args.docs} held-back essays, prefix {PREFIX} quantized after a full-precision "
+        f"prefill, {CONTINUATION} scored tokens; one scale and one minimum per {GROUP} numbers in every layout\n"
+    )
+    markdown = markdown_table(["bits", "layout", "PPL", "change"], body) + note
+    console.print(markdown)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "kv_quant_layouts.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / "kv_quant_layouts.md").write_text(markdown)
+
+
+if __name__ == "__main__":
+    main()
