@@ -173,7 +173,7 @@ def test_a_bounded_cache_rescores_the_entries_it_holds(model, ids, bits):
             assert cache.mean_stored() <= 40 + 8
     observed = kvsieve.observe_cache(model, cache)
     segments = cache.layers[0].segments
-    keys, values, _ = segments.segment(0, 1)
+    keys, _, _ = segments.segment(0, 1)
     assert torch.equal(observed[0].keys[1, : keys.shape[0]], keys), "the observation is what the cache reads back"
     body, body_values, _ = segments.body.segment(0, 1)
     assert torch.equal(keys[: body.shape[0]], body) and segments.residual.length == DEFAULT_RESIDUAL
