@@ -9,8 +9,9 @@ one minimum per group of 32 numbers (the same bytes):
 - KIVI: keys per channel in groups of 32 tokens (the last, partial group left in full precision,
   as KIVI's residual), values per entry as above.
 
-A last row per width is kvsieve's real cache (`compress(..., rate=0, kv_bits=b)`), in which the 512
-scored tokens are stored quantized too as they are appended.
+Then kvsieve's real cache (`compress(..., rate=0, kv_bits=b, kv_residual=R)`): the 512 scored
+tokens are fed 64 at a time, as a stream is, and stored quantized as they age out of the residual
+of the newest R entries per (layer, kv-head), which stay in full precision.
 
     python benchmarks/kv_quant_layouts.py [--docs 4]
 """
@@ -34,7 +35,8 @@ from kvsieve.harness.report import markdown_table
 from kvsieve.runtime.codecs import Quantized
 
 RESULTS = Path(__file__).parent / "results"
-PREFIX, CONTINUATION, GROUP = 1024, 512, 32
+PREFIX, CONTINUATION, GROUP, CHUNK = 1024, 512, 32, 64
+RESIDUALS = (0, 32, 128)
 
 #: keys `[b, h, t, d]`, values -> what the cache reads back
 Layout = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -72,10 +74,13 @@ def nll_with(model: torch.nn.Module, ids: torch.Tensor, layout: Layout | None) -
 
 
 @torch.no_grad()
-def nll_kvsieve(model: torch.nn.Module, ids: torch.Tensor, bits: int) -> float:
-    cache = kvsieve.compress(model, ids[:, :PREFIX], "streaming", rate=0.0, kv_bits=bits)
+def nll_kvsieve(model: torch.nn.Module, ids: torch.Tensor, bits: int, residual: int) -> float:
+    """The continuation fed `CHUNK` tokens at a time through kvsieve's cache (16 bits: full precision)."""
+    storage = {} if bits == 16 else {"kv_bits": bits, "kv_residual": residual}
+    cache = kvsieve.compress(model, ids[:, :PREFIX], "streaming", rate=0.0, **storage)
     with kvsieve.sieve_attention(model):
-        logits = model(ids[:, PREFIX : PREFIX + CONTINUATION], past_key_values=cache).logits[0]
+        chunks = range(PREFIX, PREFIX + CONTINUATION, CHUNK)
+        logits = torch.cat([model(ids[:, s : s + CHUNK], past_key_values=cache).logits[0] for s in chunks])
     return float(F.cross_entropy(logits.float(), ids[0, PREFIX + 1 : PREFIX + CONTINUATION + 1], reduction="sum"))
 
 
@@ -91,23 +96,34 @@ def main() -> None:
         return math.exp(sum(score(ids) for _, ids in documents) / tokens)
 
     full = ppl(lambda ids: nll_with(model, ids, None))
-    rows = []
+    layouts = []
     for bits in (8, 4, 2):
-        for name, value in (
-            ("per entry (kvsieve)", ppl(lambda ids, b=bits: nll_with(model, ids, per_entry(b)))),
-            ("keys per channel (KIVI)", ppl(lambda ids, b=bits: nll_with(model, ids, kivi(b)))),
-            ("kvsieve cache, scored tokens quantized too", ppl(lambda ids, b=bits: nll_kvsieve(model, ids, b))),
-        ):
-            rows.append({"bits": bits, "layout": name, "ppl": value, "delta_pct": 100 * (value / full - 1)})
-            console.print(f"{bits} bits, {name}: PPL {value:.3f} ({rows[-1]['delta_pct']:+.2f}%)")
-    report = {"docs": args.docs, "prefix": PREFIX, "continuation": CONTINUATION, "group": GROUP, "full_ppl": full}
-    report["rows"] = rows
-    body = [[r["bits"], r["layout"], f"{r['ppl']:.3f}", f"{r['delta_pct']:+.2f}%"] for r in rows]
-    note = (
+        for name, layout in (("per entry (kvsieve)", per_entry(bits)), ("keys per channel (KIVI)", kivi(bits))):
+            value = ppl(lambda ids, lay=layout: nll_with(model, ids, lay))
+            layouts.append({"bits": bits, "layout": name, "ppl": value, "delta_pct": 100 * (value / full - 1)})
+            console.print(f"{bits} bits, {name}: PPL {value:.3f} ({layouts[-1]['delta_pct']:+.2f}%)")
+    streamed = ppl(lambda ids: nll_kvsieve(model, ids, 16, 0))
+    cache = []
+    for bits in (8, 4, 2):
+        for residual in RESIDUALS:
+            value = ppl(lambda ids, b=bits, r=residual: nll_kvsieve(model, ids, b, r))
+            cache.append({"bits": bits, "residual": residual, "ppl": value, "delta_pct": 100 * (value / streamed - 1)})
+            console.print(f"{bits} bits, residual {residual}: PPL {value:.3f} ({cache[-1]['delta_pct']:+.2f}%)")
+    report = {"docs": args.docs, "prefix": PREFIX, "continuation": CONTINUATION, "group": GROUP, "chunk": CHUNK}
+    report |= {"full_ppl": full, "full_ppl_chunked": streamed, "layouts": layouts, "cache": cache}
+    body = [[str(r["bits"]), r["layout"], f"{r['ppl']:.3f}", f"{r['delta_pct']:+.2f}%"] for r in layouts]
+    markdown = markdown_table(["bits", "layout", "PPL", "change"], body) + (
         f"\nfull-cache PPL {full:.3f}; {args.docs} held-back essays, prefix {PREFIX} quantized after a full-precision "
-        f"prefill, {CONTINUATION} scored tokens; one scale and one minimum per {GROUP} numbers in every layout\n"
+        f"prefill, {CONTINUATION} scored tokens as computed; one scale and one minimum per {GROUP} numbers in every "
+        "layout\n\n"
     )
-    markdown = markdown_table(["bits", "layout", "PPL", "change"], body) + note
+    header = ["bits", *(f"residual {r}" for r in RESIDUALS)]
+    body = [[str(bits), *(f"{r['delta_pct']:+.2f}%" for r in cache if r["bits"] == bits)] for bits in (8, 4, 2)]
+    markdown += markdown_table(header, body) + (
+        f"\nkvsieve's cache, nothing evicted: the {CONTINUATION} scored tokens fed {CHUNK} at a time and stored as "
+        f"they come (full cache fed the same way: PPL {streamed:.3f}); residual = the newest entries per "
+        "(layer, kv-head) kept in full precision\n"
+    )
     console.print(markdown)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "kv_quant_layouts.json").write_text(json.dumps(report, indent=2) + "\n")

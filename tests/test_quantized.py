@@ -85,17 +85,19 @@ def test_a_residual_the_policy_thins_is_quantized_into_the_body(model, ids, mask
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("residual", [0, 8])
 @torch.no_grad()
-def test_a_long_forward_reads_its_own_tokens_as_computed(model, ids, masked_reference):
-    """Feeding 40 tokens at once moves the residual and 32 of them to the body; they read as computed in that forward,
-    and quantized in the next."""
-    cache = kvsieve.compress(model, ids[:, :60], "snapkv", 0.5, n_recent=8, kv_bits=2, kv_group=GROUP, kv_residual=8)
+def test_a_long_forward_reads_its_own_tokens_as_computed(model, ids, masked_reference, residual):
+    """Feeding 40 tokens at once moves the residual and all but `residual` of them to the body; they read as computed
+    in that forward, and quantized in the next."""
+    options = {"kv_bits": 2, "kv_group": GROUP, "kv_residual": residual}
+    cache = kvsieve.compress(model, ids[:, :60], "snapkv", 0.5, n_recent=8, **options)
     kept = [cache.kept_positions(layer) for layer in range(3)]
     with kvsieve.sieve_attention(model):
         ours = model(ids[:, 60:100], past_key_values=cache).logits
-        assert cache.layers[0].segments.body.lengths[0] == len(kept[0][0]) - 8 + 40, "the old residual and 32 new"
+        assert cache.layers[0].segments.body.lengths[0] == len(kept[0][0]) + 40 - residual
         after = model(ids[:, 100:101], past_key_values=cache).logits
-    with masked_reference(model, ids[:, :60], kept, codec=_codec(2, 8)) as ref:
+    with masked_reference(model, ids[:, :60], kept, codec=_codec(2, residual)) as ref:
         expected = model(ids[:, 60:100], past_key_values=ref.cache).logits
         expected_after = model(ids[:, 100:101], past_key_values=ref.cache).logits
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)

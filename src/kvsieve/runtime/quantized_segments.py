@@ -282,8 +282,7 @@ def stored_quantized(
     return _assembled(source, sources, body_kept, residual, rows, codec)
 
 
-#: How a cache layer stores its entries: full precision or quantized without a residual (`Segments`), or
-#: quantized with one (`QuantizedSegments`).
+#: How a cache layer stores its entries: in full precision (`Segments`) or quantized (`QuantizedSegments`).
 Store = Segments | QuantizedSegments
 
 
@@ -292,7 +291,7 @@ def store_from_dense(
 ) -> tuple[Store, PaddedView]:
     """A layer's first states `[rows, heads, n, d]` at cache positions `[n]`, stored by `codec`, and the view the
     forward that computed them reads."""
-    if isinstance(codec, Quantized) and codec.residual:
+    if isinstance(codec, Quantized):
         return QuantizedSegments.from_dense(keys, values, positions, codec)
     store = Segments.from_dense(keys, values, positions, codec)
     return store, store.padded()
@@ -302,6 +301,6 @@ def kept_store(
     store: Store, sources: Sequence[int], indices: Sequence[torch.Tensor], rows: int, codec: EntryCodec
 ) -> Store:
     """`store.select`, the kept entries stored by `codec` (full precision into quantized: a compressed prefill)."""
-    if isinstance(store, Segments) and isinstance(codec, Quantized) and codec.residual:
+    if isinstance(store, Segments) and isinstance(codec, Quantized):
         return stored_quantized(store, sources, indices, rows, codec)
     return store.select(sources, indices, rows, codec)
