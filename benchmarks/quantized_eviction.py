@@ -181,7 +181,7 @@ def _composition_markdown(rows: list[dict]) -> str:
     body = []
     for (policy, bits), group in pd.DataFrame(rows).groupby(["policy", "bits"], sort=False):
         cells = [f"{r.vs_16_bits:+.2f}% [{r.ci95[0]:+.1f}, {r.ci95[1]:+.1f}]" for r in group.itertuples()]
-        body.append([policy, bits, *cells])
+        body.append([policy, str(bits), *cells])
     note = "\nPPL change of the quantized cache against the same entries kept in bfloat16 (paired bootstrap)\n"
     return markdown_table(header, body) + note
 
