@@ -29,14 +29,24 @@ EVERY_SCORER = [
 ]
 
 
-@pytest.mark.parametrize("spec", EVERY_SCORER)
+#: Quantized storage: 4-bit entries in groups of 8 channels, the newest 8 (inside the protected tail) as computed.
+QUANTIZED = {"kv_bits": 4, "kv_group": 8, "kv_residual": 8}
+
+
+@pytest.mark.parametrize(
+    ("spec", "storage"),
+    [(spec, {}) for spec in EVERY_SCORER]
+    + [(spec, QUANTIZED) for spec in ("h2o", "snapkv", "trimkv+global:gates=untrained")],
+)
 @torch.no_grad()
-def test_every_step_stays_within_budget_and_equals_the_masked_reference(model, ids, masked_reference, spec):
-    """Step t's logits equal a full cache that masks exactly what was evicted before step t."""
+def test_every_step_stays_within_budget_and_equals_the_masked_reference(model, ids, masked_reference, spec, storage):
+    """Step t's logits equal a full cache that masks exactly what was evicted before step t (and, quantized, reads
+    back what the cache stores)."""
     ids = torch.randint(0, 128, (1, PROMPT + 50), generator=torch.Generator().manual_seed(2))
-    cache = kvsieve.compress(model, ids[:, :PROMPT], spec, max_tokens=MAX_TOKENS, buffer=BUFFER)
+    cache = kvsieve.compress(model, ids[:, :PROMPT], spec, max_tokens=MAX_TOKENS, buffer=BUFFER, **storage)
     assert cache.mean_stored() == MAX_TOKENS
-    reference = masked_reference(model, ids[:, :PROMPT], [cache.kept_positions(i) for i in range(3)])
+    codec = cache.layers[0].codec if storage else None
+    reference = masked_reference(model, ids[:, :PROMPT], [cache.kept_positions(i) for i in range(3)], codec)
     evictions = 0
     for t in range(PROMPT, ids.shape[1]):
         before = cache.mean_stored()
@@ -186,14 +196,16 @@ def test_bad_chunking_names_the_problem(model, ids):
         kvsieve.compress(model, ids, "knorm", max_tokens=40, chunk=32, attention_mask=mask)
 
 
-@pytest.mark.parametrize("spec", ["h2o", "importance+adaptive"])
+@pytest.mark.parametrize(("spec", "storage"), [("h2o", {}), ("importance+adaptive", {}), ("h2o", QUANTIZED)])
 @torch.no_grad()
-def test_attention_accumulated_online_equals_a_brute_force_sum(model, masked_reference, spec):
-    """Each entry's sum = what the prompt paid it + what every later query paid it, evicted entries aside."""
+def test_attention_accumulated_online_equals_a_brute_force_sum(model, masked_reference, spec, storage):
+    """Each entry's sum = what the prompt paid it + what every later query paid it, evicted entries aside (and,
+    quantized, the sums move with the entries from the residual to the body)."""
     ids = torch.randint(0, 128, (1, PROMPT + 40), generator=torch.Generator().manual_seed(9))
-    cache = kvsieve.compress(model, ids[:, :PROMPT], spec, max_tokens=MAX_TOKENS, buffer=BUFFER)
+    cache = kvsieve.compress(model, ids[:, :PROMPT], spec, max_tokens=MAX_TOKENS, buffer=BUFFER, **storage)
     prompt = kvsieve.observe_prefill(model, ids[:, :PROMPT], kvsieve.Needs(accumulated=True)).observations[0]
-    reference = masked_reference(model, ids[:, :PROMPT], [cache.kept_positions(i) for i in range(3)])
+    codec = cache.layers[0].codec if storage else None
+    reference = masked_reference(model, ids[:, :PROMPT], [cache.kept_positions(i) for i in range(3)], codec)
     tally = reference.tally()
     for t in range(PROMPT, ids.shape[1]):
         with kvsieve.sieve_attention(model):

@@ -174,7 +174,9 @@ def test_compress_takes_spans_per_row_of_a_padded_batch(model, ids):
 
 @pytest.mark.parametrize("spec", ["snapkv:projection=chunk", "h2o+global:projection=chunk,chunk_size=4"])
 def test_bounded_growth_with_chunks_equals_the_masked_reference(model, ids, masked_reference, spec):
-    test_growth.test_every_step_stays_within_budget_and_equals_the_masked_reference(model, ids, masked_reference, spec)
+    test_growth.test_every_step_stays_within_budget_and_equals_the_masked_reference(
+        model, ids, masked_reference, spec, storage={}
+    )
 
 
 @torch.no_grad()

@@ -96,7 +96,7 @@ def sieve_attention_forward(
         return out, None
     recorder = layout.recorder
     if recorder is None:
-        if attention_mask is None and query.shape[2] == 1 and layout.slots.left_aligned and varlen_available(query):
+        if attention_mask is None and query.shape[2] == 1 and varlen_available(query):
             valid = layout.slots.valid()
             return varlen_attention(query, key, value, None if valid is None else valid.sum(-1), scale), None
         return masked_sdpa(query, key, value, visibility(layout, attention_mask, query.shape[2]), scale), None

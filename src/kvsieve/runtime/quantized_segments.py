@@ -25,7 +25,7 @@ import torch
 
 from ..selection.errors import PolicyError
 from .codecs import EntryCodec, Quantized
-from .segments import Entries, PaddedView, Segments, Slots
+from .segments import PAD_POSITION, Entries, PaddedView, Segments, Slots
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,17 @@ def _as_they_were(body: PaddedView, moved: Residual, lengths: Sequence[int]) -> 
     ends = torch.tensor(lengths, device=device).view(rows, heads, 1)
     columns = (ends - moved.length + torch.arange(moved.length, device=device))[..., None].expand(-1, -1, -1, dim)
     return body.keys.scatter(2, columns, moved.keys), body.values.scatter(2, columns, moved.values)
+
+
+def _scattered(
+    body: torch.Tensor, columns: torch.Tensor, residual: torch.Tensor, width: int, fill: float = 0.0
+) -> torch.Tensor:
+    """`body` (`[rows, heads, w, ...]`) widened to `width` (filled with `fill`), `residual` (`[rows, heads, n, ...]`)
+    written at `columns` (`[rows, heads, n]`)."""
+    out = body.new_full((*body.shape[:2], width, *body.shape[3:]), fill)
+    out[:, :, : body.shape[2]] = body
+    index = columns.view(*columns.shape, *([1] * (body.dim() - 3))).expand(residual.shape)
+    return out.scatter(2, index, residual)
 
 
 class QuantizedSegments:
@@ -177,31 +188,54 @@ class QuantizedSegments:
         return self._view(self.body.padded())
 
     def _view(self, body: PaddedView, moved: Residual | None = None) -> PaddedView:
-        """`body`, the entries `moved` there last (at the end of every segment) as they were, then the residual."""
+        """`body` (the entries `moved` there last, at the end of every segment, as they were), each segment's
+        residual right after its own entries: column `i` of a segment is its stored entry `i`, padding last."""
         keys, values = (body.keys, body.values) if moved is None else _as_they_were(body, moved, self.body.lengths)
-        positions = torch.cat([body.slots.positions(), self.residual.positions], dim=2)
-        bias = body.slots.bias
-        if bias is not None:
-            bias = torch.cat([bias, bias.new_zeros(*bias.shape[:2], self.residual.length)], dim=2)
+        positions, bias = body.slots.positions(), body.slots.bias
+        if bias is None or self.residual.length == 0:  # nothing to interleave: the residual follows every row
+            if bias is not None:
+                return PaddedView(keys, values, body.slots)
+            residual = self.residual
+            return PaddedView(
+                torch.cat([keys, residual.keys], dim=2),
+                torch.cat([values, residual.values], dim=2),
+                Slots(None, torch.cat([positions, residual.positions], dim=2), None),
+            )
+        columns = self._residual_columns()
+        width = keys.shape[2] + self.residual.length
+        padding = torch.arange(width, device=bias.device) > columns[..., -1:]
         return PaddedView(
-            torch.cat([keys, self.residual.keys], dim=2),
-            torch.cat([values, self.residual.values], dim=2),
-            Slots(bias, positions, None, left_aligned=bias is None or self.residual.length == 0),
+            _scattered(keys, columns, self.residual.keys, width),
+            _scattered(values, columns, self.residual.values, width),
+            Slots(
+                torch.zeros(padding.shape, dtype=bias.dtype, device=bias.device).masked_fill_(padding, float("-inf")),
+                _scattered(positions, columns, self.residual.positions, width, PAD_POSITION),
+                None,
+            ),
         )
+
+    def _residual_columns(self) -> torch.Tensor:
+        """`[rows, heads, n]`: the column of every residual entry in the padded view (after its segment's body)."""
+        device = self.residual.positions.device
+        lengths = torch.tensor(self.body.lengths, device=device).view(self.rows, self.heads, 1)
+        return lengths + torch.arange(self.residual.length, device=device)
 
     def padded_received(self) -> torch.Tensor:
         """The attention sums in the shape of `padded()`."""
         if self.residual.received is None:
             raise ValueError("this layer keeps no attention sums; a scorer that reads them must ask for them")
-        return torch.cat([self.body.padded_received(), self.residual.received], dim=2)
+        body = self.body.padded_received()
+        width = body.shape[2] + self.residual.length
+        return _scattered(body, self._residual_columns(), self.residual.received, width)
 
     def add_received(self, received: torch.Tensor) -> None:
         """Add `[rows, heads, length, group]` attention (laid out as `padded()`) to the entries' sums."""
-        width = received.shape[2] - self.residual.length
-        self.body.add_received(received[:, :, :width])
+        columns = self._residual_columns()[..., None].expand(-1, -1, -1, received.shape[-1])
+        tail = received.gather(2, columns).float()
+        body = received.scatter(2, columns, 0.0)[:, :, : received.shape[2] - self.residual.length]
+        self.body.add_received(body)
         own = self.residual.received
-        tail = received[:, :, width:].float()
-        self.residual = replace(self.residual, received=tail.clone() if own is None else own + tail)
+        self.residual = replace(self.residual, received=tail if own is None else own + tail)
 
     # ---------------------------------------------------------------- writing
 

@@ -52,13 +52,13 @@ class Slots:
             -inf where it is padding; None when every slot holds one.
         source: the positions, `[rows, heads, width]` for a grid, the flat buffer otherwise.
         index: the flat buffer row of every slot (None when `source` is the grid of positions).
-        left_aligned: the slots that hold entries come first in every row (the padding last).
+
+    The slots that hold entries come first in every row, the padding last.
     """
 
     bias: torch.Tensor | None
     source: torch.Tensor
     index: torch.Tensor | None
-    left_aligned: bool = True
 
     def valid(self) -> torch.Tensor | None:
         """`[rows, heads, width]` bool: which slots hold an entry (None: all of them)."""
@@ -257,7 +257,8 @@ class Segments:
             self._cursor += q
         if received is not None and self.received is not None:
             if target is None:
-                self._received_grid().narrow(2, self.lengths[0], q).copy_(received)
+                room = self.received[:-1].view(self.rows, self.heads, self.capacity[0], -1)
+                room.narrow(2, self.lengths[0], q).copy_(received)
             else:
                 self.received.index_copy_(0, target, received.reshape(-1, self.group).float())
         self.lengths = [n + q for n in self.lengths]
