@@ -4,9 +4,10 @@ A random Llama with Llama-3-8B's structure (32 layers, 32 query heads, 8 kv-head
 widths (head_dim 8, hidden 256), so one decode step is made of many small calls, as on a GPU.
 For each context length and batch size: one observed prefill, then the model's own full
 `DynamicCache` (SDPA) and kvsieve caches compressed at rate 0.8 with `snapkv` and the `uniform`,
-`adaptive` and `global` allocators. Decode steps of all caches are interleaved (full, uniform,
-adaptive, global, full, ...) so drift in machine load hits them alike; we report the median step
-of each and its ratio to the full-cache step.
+`adaptive` and `global` allocators, and the `uniform` one with its kept entries in `--kv-bits`.
+Decode steps of all caches are interleaved (full, uniform, adaptive, global, ..., full, ...) so
+drift in machine load hits them alike; we report the median step of each and its ratio to the
+full-cache step.
 
     python benchmarks/decode_overhead.py [--contexts 1024,4096] [--batches 1,4] [--steps 30]
     python benchmarks/decode_overhead.py --device cuda --dtype bfloat16   # on a GPU
@@ -28,6 +29,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 import kvsieve
 from kvsieve.harness.report import markdown_table
 from kvsieve.runtime.attention import attention_implementation
+from kvsieve.runtime.codecs import FULL_PRECISION, EntryCodec, Storage
 from kvsieve.runtime.prefill import Prefill
 
 RESULTS = Path(__file__).parent / "results"
@@ -58,10 +60,12 @@ def dense_copy(prefill: Prefill) -> DynamicCache:
     return dense
 
 
-def compressed(prefill: Prefill, allocator: str, rate: float) -> kvsieve.SievedCache:
+def compressed(
+    prefill: Prefill, allocator: str, rate: float, codec: EntryCodec = FULL_PRECISION
+) -> kvsieve.SievedCache:
     policy = kvsieve.make_policy("snapkv", allocator=allocator)
     keep = [prefill.stored(row, policy.select(obs, rate)) for row, obs in enumerate(prefill.observations)]
-    return prefill.cache.keep(keep)
+    return prefill.cache.keep(keep, codec=codec)
 
 
 def synchronize(device: str) -> None:
@@ -85,7 +89,10 @@ def measure(model: LlamaForCausalLM, context: int, batch: int, args: argparse.Na
     prefill = kvsieve.observe_prefill(model, ids[:, :context], kvsieve.Needs(window=32))
     caches: dict[str, object] = {"full": dense_copy(prefill)}
     caches |= {name: compressed(prefill, name, args.rate) for name in ALLOCATORS}
-    kv_bytes = {"full": prefill.cache.nbytes()} | {name: caches[name].nbytes() for name in ALLOCATORS}
+    for bits in (int(b) for b in args.kv_bits.split(",") if b):
+        caches[f"uniform, {bits}-bit"] = compressed(prefill, "uniform", args.rate, Storage(bits).codec(model))
+    kv_bytes = {name: cache.nbytes() for name, cache in caches.items() if name != "full"}
+    kv_bytes["full"] = prefill.cache.nbytes()
     del prefill
     times: dict[str, list[float]] = {name: [] for name in caches}
     for step in range(args.warmup + args.steps):
@@ -126,6 +133,7 @@ def main() -> None:
     parser.add_argument("--contexts", default="1024,4096")
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--rate", type=float, default=0.8)
+    parser.add_argument("--kv-bits", default="8,4", help="widths of the quantized uniform caches ('' for none)")
     parser.add_argument("--steps", type=int, default=30, help="timed decode steps per cache")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cpu")

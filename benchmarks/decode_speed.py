@@ -1,10 +1,12 @@
 """One decode step with a compressed cache against one with the full cache (default model, CPU).
 
 At each context length: one observed prefill, then caches of the same context: the model's
-own full `DynamicCache` (SDPA attention) and kvsieve caches at rate 0.8 with the `uniform`,
-`adaptive` and `global` allocators. Decode steps are interleaved (full, uniform, adaptive,
-global, full, ...) so drift in machine load hits all alike; we report the median step time of
-each and the ratio to the full-cache step, next to the bound set by bytes read per step:
+own full `DynamicCache` (SDPA attention), kvsieve caches at rate 0.8 with the `uniform`,
+`adaptive` and `global` allocators, and the `uniform` one with its kept entries in `--kv-bits`
+(every forward reads them back quantized: the cost of dequantizing). Decode steps are
+interleaved (full, uniform, adaptive, global, ..., full, ...) so drift in machine load hits all
+alike; we report the median step time of each and the ratio to the full-cache step, next to the
+bound set by bytes read per step:
 (weights + kept KV) / (weights + full KV).
 
     python benchmarks/decode_speed.py [--lengths 2048,4096,8192] [--steps 40]
@@ -30,6 +32,7 @@ from kvsieve import SievedCache, load_model, make_policy, observe_prefill, sieve
 from kvsieve.harness.data import long_context
 from kvsieve.harness.report import markdown_table
 from kvsieve.runtime.attention import attention_implementation
+from kvsieve.runtime.codecs import Storage
 
 RESULTS = Path(__file__).parent / "results"
 ALLOCATORS = ("uniform", "adaptive", "global")
@@ -81,6 +84,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="2048,4096,8192")
     parser.add_argument("--rate", type=float, default=0.8)
     parser.add_argument("--scorer", default="snapkv")
+    parser.add_argument("--kv-bits", default="8,4", help="widths of the quantized uniform caches ('' for none)")
     parser.add_argument("--steps", type=int, default=40, help="timed decode steps per cache")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cpu")
@@ -110,7 +114,11 @@ def main() -> None:
         caches: dict[str, object] = {"full": dynamic_cache_from(prefill.cache)}
         for allocator, policy in policies.items():
             caches[allocator] = prefill.cache.keep([policy.select(prefill.observations[0], args.rate)])
-        kv_bytes = {"full": dynamic_nbytes(caches["full"])} | {name: caches[name].nbytes() for name in ALLOCATORS}
+        for bits in (int(b) for b in args.kv_bits.split(",") if b):
+            keep = [policies["uniform"].select(prefill.observations[0], args.rate)]
+            caches[f"uniform, {bits}-bit"] = prefill.cache.keep(keep, codec=Storage(bits).codec(model))
+        kv_bytes = {name: cache.nbytes() for name, cache in caches.items() if name != "full"}
+        kv_bytes["full"] = dynamic_nbytes(caches["full"])
         del prefill
         times: dict[str, list[float]] = {name: [] for name in caches}
         for step in range(args.warmup + args.steps):

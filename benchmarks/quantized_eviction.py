@@ -3,10 +3,10 @@
 The model runs in bfloat16, so the full cache holds 16 bits per number (as served on GPUs). At byte
 budgets of 50, 25, 12.5 and 6.25% of that full cache, every policy reaches the budget four ways:
 eviction alone (16 bits), or 8-, 4- or 2-bit entries (`kv_bits`; one scale and one minimum per 32
-channels, so 9, 5 and 3 bits per number in all) with as much eviction as the bytes leave. Where a
-width fits the budget with nothing evicted, that mix is quantization alone. The eviction rate of a
-mix is the one that keeps its share of a nominal context's entries (sinks and the recent tail
-always kept); the tables report the bytes each row really held.
+channels, so 9, 5 and 3 bits per number; the newest 32 entries of every head in bfloat16) with as
+much eviction as the bytes leave. Where a width fits the budget with nothing evicted, that mix is
+quantization alone. A mix keeps the entries a byte budget would give it over a nominal context
+(`kept_entries`; sinks and the recent tail always kept); the tables report the bytes each row held.
 
 - ``ppl``: the perplexity protocol (DESIGN §4) on held-back essays; also trimkv+global and snapkv
   quantized at the *eviction-only* rates (the same entries, fewer bits): do the gates, trained on
@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ from kvsieve.harness.eval.streaming import run_streaming, streaming_documents
 from kvsieve.harness.eval.sweep import run_sweep
 from kvsieve.harness.progress import console, progress_bar
 from kvsieve.harness.report import markdown_table
-from kvsieve.runtime.codecs import make_codec
+from kvsieve.runtime.codecs import DEFAULT_RESIDUAL, make_codec
 from kvsieve.selection.architecture import kv_geometry
 from kvsieve.selection.protection import DEFAULT_N_RECENT, DEFAULT_N_SINK
 
@@ -59,125 +60,145 @@ COMPOSED = ("trimkv+global", "snapkv")
 ALONE = "streaming"
 NEEDLES = tuple(task for task in RULER_TASKS if task.startswith("niah"))
 FULL_RUN = {"docs": 6, "samples": 2, "length": 1024, "stream_docs": 2, "stream_tokens": 4096, "stream_from": 2048}
-QUICK = {"docs": 2, "samples": 1, "length": 512, "stream_docs": 1, "stream_tokens": 1024, "stream_from": 512}
+QUICK = {"docs": 2, "samples": 1, "length": 1024, "stream_docs": 1, "stream_tokens": 1024, "stream_from": 512}
 STREAM_BUDGETS = (1024, 512, 256, 128)  # bfloat16 entries per (layer, kv-head); QUICK halves them
 PROTECTED = DEFAULT_N_SINK + DEFAULT_N_RECENT
 
 
 @dataclass(frozen=True)
 class Mix:
-    """One way to reach a byte budget: `bits` per number, keeping `kept` of the entries (1: nothing evicted)."""
+    """One way to reach a byte budget: `bits` per number and `kept` entries per (layer, kv-head)."""
 
     fraction: float
     bits: int
-    kept: float
+    kept: int
+    tokens: int
 
     @property
     def alone(self) -> bool:
-        return self.kept >= 1.0
+        return self.kept >= self.tokens
+
+    @property
+    def rate(self) -> float:
+        """The eviction rate (over evictable entries) that keeps `kept` of the `tokens`."""
+        return 0.0 if self.alone else round(1 - (self.kept - PROTECTED) / (self.tokens - PROTECTED), 4)
 
     @property
     def label(self) -> str:
-        if self.bits == 16:
-            return "eviction only"
-        return f"{self.bits}-bit alone" if self.alone else f"{self.bits}-bit + eviction"
+        return "eviction only" if self.bits == 16 else f"{self.bits}-bit"
 
 
-def entry_share(bits: int, head_dim: int) -> float:
-    """An entry's bytes at `bits` over its bytes in bfloat16."""
-    return make_codec(bits).entry_bytes(head_dim, torch.bfloat16) / make_codec(16).entry_bytes(head_dim, torch.bfloat16)
+def kept_entries(fraction: float, bits: int, tokens: int, head_dim: int) -> int | None:
+    """Entries per (layer, kv-head) a byte budget of `fraction` of `tokens` bfloat16 entries holds at `bits`: the
+    residual in bfloat16, the rest quantized. None when the protected entries alone do not fit."""
+    entry = make_codec(16).entry_bytes(head_dim, torch.bfloat16)
+    budget = fraction * tokens * entry
+    if bits == 16:
+        kept = budget / entry
+    else:
+        kept = DEFAULT_RESIDUAL + (budget - DEFAULT_RESIDUAL * entry) / make_codec(bits).entry_bytes(
+            head_dim, torch.bfloat16
+        )
+    return None if kept < PROTECTED + 1 else min(tokens, math.floor(kept))
 
 
-def mixes(head_dim: int) -> list[Mix]:
+def mixes(head_dim: int, tokens: int) -> list[Mix]:
     out = []
     for fraction in FRACTIONS:
-        out += [Mix(fraction, bits, min(1.0, fraction / entry_share(bits, head_dim))) for bits in BITS]
+        for bits in BITS:
+            kept = kept_entries(fraction, bits, tokens, head_dim)
+            if kept is not None:
+                out.append(Mix(fraction, bits, kept, tokens))
     return out
-
-
-def rate_for(kept: float, tokens: int) -> float:
-    """The eviction rate (over evictable entries) that keeps `kept` of a `tokens`-entry context."""
-    return round(max(0.0, 1 - (kept * tokens - PROTECTED) / (tokens - PROTECTED)), 4)
 
 
 def spec(policy: str, bits: int) -> str:
     return policy if bits == 16 else f"{policy}:kv_bits={bits}"
 
 
-def plan(head_dim: int, tokens: int) -> dict[int, tuple[list[str], list[float]]]:
-    """Per width: the policies and rates whose cross product is every evicting mix of that width."""
-    by_bits: dict[int, tuple[list[str], list[float]]] = {}
+def runs_for(head_dim: int, tokens: int) -> list[tuple[list[str], list[float]]]:
+    """Per width: the policies and rates whose cross product is every evicting mix of it; then quantization alone."""
+    runs = []
     for bits in BITS:
-        rates = sorted({rate_for(m.kept, tokens) for m in mixes(head_dim) if m.bits == bits and not m.alone})
+        rates = sorted({m.rate for m in mixes(head_dim, tokens) if m.bits == bits and not m.alone})
         if rates:
-            by_bits[bits] = ([spec(p, bits) for p in POLICIES], rates)
-    return by_bits
+            runs.append(([spec(p, bits) for p in POLICIES], rates))
+    return [*runs, ([spec(ALONE, bits) for bits in BITS[1:]], [0.0])]
 
 
-def rows_of_mixes(head_dim: int, tokens: int) -> list[tuple[Mix, str, str, float]]:
-    """(mix, policy, spec, rate) of every cell of the tables; quantization alone is `ALONE` at rate 0."""
+def cells_of(head_dim: int, tokens: int) -> list[tuple[Mix, str, str]]:
+    """(mix, policy, spec) of every cell of the tables; quantization alone (`ALONE` at rate 0) fills a whole column."""
     out = []
-    for mix in mixes(head_dim):
-        if mix.alone:
-            out.append((mix, "quantization alone", spec(ALONE, mix.bits), 0.0))
-        else:
-            out += [(mix, p, spec(p, mix.bits), rate_for(mix.kept, tokens)) for p in POLICIES]
+    for mix in mixes(head_dim, tokens):
+        policies = POLICIES if not mix.alone else ("quantization alone",)
+        out += [(mix, p, spec(ALONE if mix.alone else p, mix.bits)) for p in policies]
     return out
+
+
+def budget_markdown(table: list[dict], cell: Callable[[dict], str]) -> str:
+    """Rows (budget, policy), one column per width; a width that fits unevicted reads "alone: ..." in every row."""
+    by_key = {(r["fraction"], r["bits"], r["policy"]): r for r in table}
+    header = ["budget", "policy", *(Mix(0, bits, 0, 1).label for bits in BITS)]
+    body = []
+    for fraction in FRACTIONS:
+        for policy in POLICIES:
+            cells = []
+            for bits in BITS:
+                own, alone = by_key.get((fraction, bits, policy)), by_key.get((fraction, bits, "quantization alone"))
+                row = own or alone
+                text = "" if row is None else f"{cell(row)} ({row['bytes_share']:.1%})"
+                cells.append(f"alone: {text}" if own is None and alone is not None else text)
+            if any(cells):
+                body.append([f"{fraction:.2%}", policy, *cells])
+    return markdown_table(header, body) + "\n"
 
 
 def stage_ppl(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:
     head_dim, tokens = kv_geometry(model)[1], 1024
     documents = sample_documents(tokenizer, args.docs, 1024 + 512 + 1, names=essay_split()[1])
-    runs = [(policies, rates) for policies, rates in plan(head_dim, tokens).values()]
-    eviction_rates = plan(head_dim, tokens)[16][1]
+    runs = runs_for(head_dim, tokens)
+    eviction_rates = runs[0][1]
     runs += [([spec(p, bits) for p in COMPOSED], eviction_rates) for bits in BITS[1:]]
-    runs += [([spec(ALONE, bits) for bits in BITS[1:]], [0.0])]
     cells: dict[tuple[str, float], dict] = {}
     for policies, rates in runs:
         with progress_bar(f"perplexity: {', '.join(policies)}") as progress:
             result = run_ppl(model, documents, policies, rates, progress=progress)
-        for policy in policies:
-            for rate in rates:
-                cells[policy, rate] = result.row(policy, rate) | {"nll": result.nll[policy, rate]}
-    full = result  # every run scores the same full cache
-    full_bytes = int(np.mean(full.kv_bytes_full))
-    table = [
-        {"fraction": m.fraction, "mix": m.label, "policy": p, "rate": r} | _ppl_cell(cells[s, r], full_bytes)
-        for m, p, s, r in rows_of_mixes(head_dim, tokens)
-    ]
-    composed = _composition(cells, eviction_rates, np.array(full.nll_full), full.tokens)
-    report = {"setup": vars(args), "full_ppl": full.full_ppl, "full_kv_bytes": full_bytes, "rows": table}
+        cells |= {(p, r): result.row(p, r) | {"nll": result.nll[p, r]} for p in policies for r in rates}
+    full_bytes = int(np.mean(result.kv_bytes_full))  # every run scores the same full cache
+    table = []
+    for mix, policy, name in cells_of(head_dim, tokens):
+        row = cells[name, mix.rate]
+        where = {"fraction": mix.fraction, "bits": mix.bits, "policy": policy, "rate": mix.rate}
+        table.append(
+            where | {"delta_pct": row["delta_pct"], "ci95": row["ci95"], "bytes_share": row["kv_bytes"] / full_bytes}
+        )
+    composed = composition(cells, eviction_rates, np.array(result.nll_full), result.tokens)
+    report = {"setup": vars(args), "full_ppl": result.full_ppl, "full_kv_bytes": full_bytes, "rows": table}
     report["composition"] = composed
-    markdown = _budget_markdown(table, "delta_pct", "PPL change", lambda r: f"{r['delta_pct']:+.2f}%")
-    markdown += f"\nfull-cache PPL {full.full_ppl:.3f} (bfloat16), {args.docs} held-back essays, prefix 1024, "
-    markdown += "continuation 512; cells: PPL change [95% CI] and the bytes held as a share of the full cache\n\n"
-    return report, markdown + _composition_markdown(composed)
+    markdown = budget_markdown(table, lambda r: f"{r['delta_pct']:+.2f}%")
+    markdown += f"\nPPL change against the full cache (PPL {result.full_ppl:.3f}, bfloat16), {args.docs} held-back "
+    markdown += "essays, prefix 1024, continuation 512; in brackets the bytes held as a share of the full cache\n\n"
+    return report, markdown + composition_markdown(composed)
 
 
-def _ppl_cell(row: dict, full_bytes: int) -> dict:
-    return {"delta_pct": row["delta_pct"], "ci95": row["ci95"], "bytes_share": row["kv_bytes"] / full_bytes}
-
-
-def _composition(cells: dict, rates: list[float], full: np.ndarray, tokens: np.ndarray) -> list[dict]:
+def composition(cells: dict, rates: list[float], full: np.ndarray, tokens: np.ndarray) -> list[dict]:
     """Per policy, width and rate: the PPL change of the quantized cache against the same entries in 16 bits."""
     out = []
     for policy in COMPOSED:
         for bits in BITS[1:]:
             for rate in rates:
-                quantized, plain = (
-                    np.array(cells[spec(policy, bits), rate]["nll"]),
-                    np.array(cells[policy, rate]["nll"]),
-                )
+                quantized = np.array(cells[spec(policy, bits), rate]["nll"])
+                plain = np.array(cells[policy, rate]["nll"])
                 lo, hi = bootstrap_delta_ci(quantized, plain, tokens)
-                vs_full = pooled_delta_pct(quantized, full, tokens)
-                change = pooled_delta_pct(quantized, plain, tokens)
-                out.append({"policy": policy, "bits": bits, "rate": rate, "vs_16_bits": change, "ci95": [lo, hi]})
-                out[-1]["vs_full"] = vs_full
+                out.append({"policy": policy, "bits": bits, "rate": rate, "ci95": [lo, hi],
+                            "vs_16_bits": pooled_delta_pct(quantized, plain, tokens),
+                            "vs_full": pooled_delta_pct(quantized, full, tokens)})  # fmt: skip
     return out
 
 
-def _composition_markdown(rows: list[dict]) -> str:
-    header = ["policy", "bits", *(f"rate {r:.3f}" for r in sorted({row["rate"] for row in rows}))]
+def composition_markdown(rows: list[dict]) -> str:
+    rates = sorted({row["rate"] for row in rows})
+    header = ["policy", "bits", *(f"rate {r:.3f}" for r in rates)]
     body = []
     for (policy, bits), group in pd.DataFrame(rows).groupby(["policy", "bits"], sort=False):
         cells = [f"{r.vs_16_bits:+.2f}% [{r.ci95[0]:+.1f}, {r.ci95[1]:+.1f}]" for r in group.itertuples()]
@@ -186,39 +207,24 @@ def _composition_markdown(rows: list[dict]) -> str:
     return markdown_table(header, body) + note
 
 
-def _budget_markdown(table: list[dict], key: str, what: str, cell) -> str:
-    """One row per policy (and quantization alone), one column per (budget, mix)."""
-    frame = pd.DataFrame(table)
-    header = ["policy"] + [f"{f:.2%} {m}" for f, m in dict.fromkeys(zip(frame["fraction"], frame["mix"], strict=True))]
-    body = []
-    for policy in [*POLICIES, "quantization alone"]:
-        cells = []
-        for f, m in dict.fromkeys(zip(frame["fraction"], frame["mix"], strict=True)):
-            found = frame[(frame["fraction"] == f) & (frame["mix"] == m) & (frame["policy"] == policy)]
-            cells.append(cell(found.iloc[0]) + f" ({found.iloc[0]['bytes_share']:.1%})" if len(found) else "")
-        body.append([policy, *cells])
-    return f"{what} at equal bytes\n\n" + markdown_table(header, body) + "\n"
-
-
 def stage_tasks(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:
     head_dim, tokens = kv_geometry(model)[1], args.length
     frames = []
     for suite, tasks in (("needles", ",".join(NEEDLES)), ("routing", "routing")):
         samples = task_samples(tasks, tokenizer, length=args.length, n=args.samples, seed=0)
-        runs = [*plan(head_dim, tokens).values(), ([spec(ALONE, b) for b in BITS[1:]], [0.0])]
-        for policies, rates in runs:
+        for policies, rates in runs_for(head_dim, tokens):
             with progress_bar(f"{suite}: {', '.join(policies)}") as progress:
                 rows = run_sweep(model, tokenizer, samples, policies, rates, ("agnostic", "aware"),
                                  diagnostics=False, progress=progress)  # fmt: skip
             frames.append(rows.assign(suite=suite))
-    rows = pd.concat(frames, ignore_index=True)
-    curves = accuracy_by_rate(rows.drop_duplicates(["sample", "mode", "policy", "rate"]))
+    rows = pd.concat(frames, ignore_index=True).drop_duplicates(["sample", "mode", "policy", "rate"])
+    curves = accuracy_by_rate(rows)
     table = []
-    for (suite, mode), part in curves.groupby(["suite", "mode"]):
+    for (suite, mode), part in curves.groupby(["suite", "mode"], sort=False):
         full = part[part["policy"] == "full"].iloc[0]
-        for mix, policy, name, rate in rows_of_mixes(head_dim, tokens):
-            cell = part[(part["policy"] == name) & (np.isclose(part["rate"], rate))].iloc[0]
-            table.append({"suite": suite, "mode": mode, "fraction": mix.fraction, "mix": mix.label, "policy": policy,
+        for mix, policy, name in cells_of(head_dim, tokens):
+            cell = part[(part["policy"] == name) & np.isclose(part["rate"], mix.rate)].iloc[0]
+            table.append({"suite": suite, "mode": mode, "fraction": mix.fraction, "bits": mix.bits, "policy": policy,
                           "accuracy": cell["accuracy"], "gold_logprob": cell["mean_gold_logprob"],
                           "bytes_share": cell["mean_kv_bytes"] / full["mean_kv_bytes"],
                           "full_accuracy": full["accuracy"], "samples": int(cell["n"])})  # fmt: skip
@@ -226,51 +232,44 @@ def stage_tasks(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[d
     markdown = ""
     for (suite, mode), part in pd.DataFrame(table).groupby(["suite", "mode"], sort=False):
         first = part.iloc[0]
-        title = f"{suite}, {mode} ({first['samples']} samples; full cache accuracy {first['full_accuracy']:.2f}): "
-        cell = lambda r: f"{r['accuracy']:.2f} ({r['gold_logprob']:.1f})"  # noqa: E731
-        markdown += title + _budget_markdown(part.to_dict("records"), "accuracy", "accuracy (gold log-prob)", cell)
+        markdown += f"{suite}, {mode}: {first['samples']} samples, full cache accuracy {first['full_accuracy']:.2f}\n\n"
+        markdown += budget_markdown(part.to_dict("records"), lambda r: f"{r['accuracy']:.2f} ({r['gold_logprob']:.1f})")
         markdown += "\n"
+    markdown += "accuracy (mean gold log-prob); in brackets the bytes held as a share of the full cache\n"
     return report, markdown
 
 
 def stage_stream(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:
-    head_dim = kv_geometry(model)[1]
+    kv_heads, head_dim = kv_geometry(model)
+    per_token = model.config.num_hidden_layers * kv_heads * make_codec(16).entry_bytes(head_dim, torch.bfloat16)
     documents = streaming_documents(tokenizer, args.stream_docs, args.stream_tokens, names=essay_split()[1])
     scale = 1 if args.stream_tokens >= 4096 else 2
-    runs = []
+    reference = 2048 // scale  # the context the budgets are fractions of
+    budgets = {
+        (fraction, bits): kept
+        for fraction in FRACTIONS
+        for bits in BITS
+        if (kept := kept_entries(fraction, bits, reference, head_dim)) is not None
+    }
+    table = []
     for bits in BITS:
-        budgets = sorted({round(b / scale / entry_share(bits, head_dim)) for b in STREAM_BUDGETS})
-        runs.append((bits, budgets))
-    table, full_nll = [], None
-    for bits, budgets in runs:
-        usable = [b for b in budgets if b < args.stream_tokens]
-        policies = [spec(p, bits) for p in POLICIES]
+        sizes = sorted({kept for (_, b), kept in budgets.items() if b == bits and kept < args.stream_tokens})
         with progress_bar(f"streaming, {bits} bits") as progress:
-            result = run_streaming(model, documents, policies, usable, progress=progress)
+            result = run_streaming(model, documents, [spec(p, bits) for p in POLICIES], sizes, progress=progress)
         full_nll = np.stack(next(r for r in result.runs if r.budget is None).nll)
         for run in (r for r in result.runs if r.budget is not None):
-            table.append(_stream_cell(run, full_nll, args.stream_from, bits, scale, head_dim))
+            fraction = next(f for (f, b), kept in budgets.items() if b == bits and kept == run.budget)
+            ours = np.stack(run.nll)[:, args.stream_from :]
+            delta = 100 * (math.exp((np.nansum(ours) - np.nansum(full_nll[:, args.stream_from :])) / ours.size) - 1)
+            share = run.peak.nbytes / (reference * per_token)
+            table.append({"fraction": fraction, "bits": bits, "policy": run.name.split(":")[0], "budget": run.budget,
+                          "delta_pct": delta, "bytes_share": share})  # fmt: skip
     report = {"setup": vars(args), "rows": table}
-    cell = lambda r: f"{r['delta_pct']:+.1f}%"  # noqa: E731
-    markdown = _budget_markdown(table, "delta_pct", "Streaming PPL change", cell)
-    markdown += f"\nbfloat16; {args.stream_docs} held-back essays of {args.stream_tokens} tokens fed 64 at a time; "
-    markdown += f"every run scored on the tokens after the first {args.stream_from}; budget = the bytes of 1,024 / 512 "
-    markdown += (
-        "/ 256 / 128 bfloat16 entries per (layer, kv-head); cells: PPL change and bytes held / a 2,048-token cache\n"
-    )
+    markdown = budget_markdown(table, lambda r: f"{r['delta_pct']:+.1f}%")
+    markdown += f"\nstreaming PPL change against the full cache, bfloat16; {args.stream_docs} held-back essays of "
+    markdown += f"{args.stream_tokens} tokens fed 64 at a time, every run scored on the tokens after the first "
+    markdown += f"{args.stream_from}; in brackets the most bytes held, as a share of a {reference}-token cache\n"
     return report, markdown
-
-
-def _stream_cell(run: Any, full_nll: np.ndarray, start: int, bits: int, scale: int, head_dim: int) -> dict:
-    share = entry_share(bits, head_dim)
-    bf16_entries = run.budget * share * scale
-    fraction = min(FRACTIONS, key=lambda f: abs(f * 2048 - bf16_entries))
-    ours, theirs = np.nansum(np.stack(run.nll)[:, start:]), np.nansum(full_nll[:, start:])
-    name, policy = run.name, run.name.split(":")[0]
-    label = Mix(fraction, bits, 0.5).label
-    return {"fraction": fraction, "mix": label, "policy": policy, "spec": name, "budget": run.budget,
-            "delta_pct": 100 * (math.exp((ours - theirs) / full_nll[:, start:].size) - 1),
-            "bytes_share": run.budget * share / 2048 * scale}  # fmt: skip
 
 
 STAGES = {"ppl": stage_ppl, "tasks": stage_tasks, "stream": stage_stream}
@@ -281,8 +280,7 @@ def main() -> None:
     parser.add_argument("--stages", default=",".join(STAGES))
     parser.add_argument("--quick", action="store_true", help="tiny sizes, to check the script")
     args = parser.parse_args()
-    sizes = QUICK if args.quick else FULL_RUN
-    for key, value in sizes.items():
+    for key, value in (QUICK if args.quick else FULL_RUN).items():
         setattr(args, key, value)
     model, tokenizer = kvsieve.load_model(dtype=torch.bfloat16)
     RESULTS.mkdir(exist_ok=True)

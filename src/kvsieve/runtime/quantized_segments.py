@@ -192,9 +192,9 @@ class QuantizedSegments:
         residual right after its own entries: column `i` of a segment is its stored entry `i`, padding last."""
         keys, values = (body.keys, body.values) if moved is None else _as_they_were(body, moved, self.body.lengths)
         positions, bias = body.slots.positions(), body.slots.bias
-        if bias is None or self.residual.length == 0:  # nothing to interleave: the residual follows every row
-            if bias is not None:
-                return PaddedView(keys, values, body.slots)
+        if self.residual.length == 0:
+            return PaddedView(keys, values, body.slots)
+        if bias is None:  # every segment is full: the residual follows every row
             residual = self.residual
             return PaddedView(
                 torch.cat([keys, residual.keys], dim=2),
