@@ -16,9 +16,12 @@ quantization alone. A mix keeps the entries a byte budget would give it over a n
   bfloat16 entries per (layer, kv-head), i.e. 50 / 25 / 12.5 / 6.25% of a 2,048-token cache, every
   run scored on the same tokens (after the first 2,048).
 
+- ``kvpress``: kvpress's snapkv and expected-attention presses over its own quantized cache (4 and 2 bits;
+  `transformers`' `QuantizedCache` with optimum-quanto) next to kvsieve's, by perplexity at the same bytes.
+
 Each stage writes `benchmarks/results/quantized_eviction_<stage>.{json,md}`.
 
-    python benchmarks/quantized_eviction.py [--stages ppl,tasks,stream] [--quick]
+    python benchmarks/quantized_eviction.py [--stages ppl,tasks,stream,kvpress] [--quick]
 """
 
 from __future__ import annotations
@@ -59,7 +62,13 @@ COMPOSED = ("trimkv+global", "snapkv")
 #: Any policy at rate 0 keeps every entry: quantization alone.
 ALONE = "streaming"
 NEEDLES = tuple(task for task in RULER_TASKS if task.startswith("niah"))
-FULL_RUN = {"docs": 6, "samples": 2, "length": 1024, "stream_docs": 2, "stream_tokens": 4096, "stream_from": 2048}
+#: kvsieve's best policy, then the policies whose scoring rule a kvpress press shares (`PRESSES`, in order).
+KVPRESS_OURS = ("trimkv+global", "snapkv", "expected")
+PRESSES = ("snapkv", "expected_attention")
+KVPRESS_ROWS = ("trimkv+global", "snapkv", "kvpress:snapkv", "expected", "kvpress:expected_attention")
+#: Widths kvpress's quantized cache stores (optimum-quanto), and full precision.
+KVPRESS_BITS = (16, 4, 2)
+FULL_RUN = {"docs": 6, "samples": 1, "length": 1024, "stream_docs": 1, "stream_tokens": 4096, "stream_from": 2048}
 QUICK = {"docs": 2, "samples": 1, "length": 1024, "stream_docs": 1, "stream_tokens": 1024, "stream_from": 512}
 STREAM_BUDGETS = (1024, 512, 256, 128)  # bfloat16 entries per (layer, kv-head); QUICK halves them
 PROTECTED = DEFAULT_N_SINK + DEFAULT_N_RECENT
@@ -88,25 +97,28 @@ class Mix:
         return "eviction only" if self.bits == 16 else f"{self.bits}-bit"
 
 
-def kept_entries(fraction: float, bits: int, tokens: int, head_dim: int) -> int | None:
+def kept_entries(
+    fraction: float, bits: int, tokens: int, head_dim: int, residual: int = DEFAULT_RESIDUAL
+) -> int | None:
     """Entries per (layer, kv-head) a byte budget of `fraction` of `tokens` bfloat16 entries holds at `bits`: the
-    residual in bfloat16, the rest quantized. None when the protected entries alone do not fit."""
+    `residual` in bfloat16 (kvpress after its prefill: none), the rest quantized. None when the protected entries
+    alone do not fit."""
     entry = make_codec(16).entry_bytes(head_dim, torch.bfloat16)
     budget = fraction * tokens * entry
     if bits == 16:
         kept = budget / entry
     else:
-        kept = DEFAULT_RESIDUAL + (budget - DEFAULT_RESIDUAL * entry) / make_codec(bits).entry_bytes(
-            head_dim, torch.bfloat16
-        )
+        kept = residual + (budget - residual * entry) / make_codec(bits).entry_bytes(head_dim, torch.bfloat16)
     return None if kept < PROTECTED + 1 else min(tokens, math.floor(kept))
 
 
-def mixes(head_dim: int, tokens: int) -> list[Mix]:
+def mixes(
+    head_dim: int, tokens: int, bits_options: tuple[int, ...] = BITS, residual: int = DEFAULT_RESIDUAL
+) -> list[Mix]:
     out = []
     for fraction in FRACTIONS:
-        for bits in BITS:
-            kept = kept_entries(fraction, bits, tokens, head_dim)
+        for bits in bits_options:
+            kept = kept_entries(fraction, bits, tokens, head_dim, residual)
             if kept is not None:
                 out.append(Mix(fraction, bits, kept, tokens))
     return out
@@ -135,15 +147,20 @@ def cells_of(head_dim: int, tokens: int) -> list[tuple[Mix, str, str]]:
     return out
 
 
-def budget_markdown(table: list[dict], cell: Callable[[dict], str]) -> str:
+def budget_markdown(
+    table: list[dict],
+    cell: Callable[[dict], str],
+    policies: tuple[str, ...] = POLICIES,
+    bits_options: tuple[int, ...] = BITS,
+) -> str:
     """Rows (budget, policy), one column per width; a width that fits unevicted reads "alone: ..." in every row."""
     by_key = {(r["fraction"], r["bits"], r["policy"]): r for r in table}
-    header = ["budget", "policy", *(Mix(0, bits, 0, 1).label for bits in BITS)]
+    header = ["budget", "policy", *(Mix(0, bits, 0, 1).label for bits in bits_options)]
     body = []
     for fraction in FRACTIONS:
-        for policy in POLICIES:
+        for policy in policies:
             cells = []
-            for bits in BITS:
+            for bits in bits_options:
                 own, alone = by_key.get((fraction, bits, policy)), by_key.get((fraction, bits, "quantization alone"))
                 row = own or alone
                 text = "" if row is None else f"{cell(row)} ({row['bytes_share']:.1%})"
@@ -272,7 +289,50 @@ def stage_stream(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[
     return report, markdown
 
 
-STAGES = {"ppl": stage_ppl, "tasks": stage_tasks, "stream": stage_stream}
+def kvpress_contenders(library: str, bits: int) -> dict[str, str]:
+    """Row label -> spec of one library's contenders at `bits`."""
+    if library == "kvsieve":
+        return {policy: spec(policy, bits) for policy in KVPRESS_OURS}
+    return {f"kvpress:{press}": f"kvpress:{press}" + ("" if bits == 16 else f":kv_bits={bits}") for press in PRESSES}
+
+
+def stage_kvpress(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:
+    """kvpress's presses over its quantized cache next to kvsieve's policies, at the same bytes (perplexity).
+
+    kvpress holds every kept entry quantized after its prefill (no full-precision residual), so the same bytes
+    keep a few more of its entries. Where a width holds every entry, each contender runs at rate 0."""
+    head_dim, tokens = kv_geometry(model)[1], 1024
+    documents = sample_documents(tokenizer, args.docs, 1024 + 512 + 1, names=essay_split()[1])
+    plans = {
+        "kvsieve": mixes(head_dim, tokens, KVPRESS_BITS),
+        "kvpress": mixes(head_dim, tokens, KVPRESS_BITS, residual=0),
+    }
+    table = []
+    for bits in KVPRESS_BITS:
+        for library, plan in plans.items():
+            todo = [mix for mix in plan if mix.bits == bits]  # rate 0 where the bytes need no eviction
+            names = kvpress_contenders(library, bits)
+            with progress_bar(f"perplexity, {library}, {bits} bits") as progress:
+                result = run_ppl(
+                    model, documents, list(names.values()), sorted({m.rate for m in todo}), progress=progress
+                )
+            full_bytes = int(np.mean(result.kv_bytes_full))
+            for mix in todo:
+                for policy, name in names.items():
+                    row = result.row(name, mix.rate)
+                    table.append({"fraction": mix.fraction, "bits": bits, "policy": policy, "rate": mix.rate,
+                                  "delta_pct": row["delta_pct"], "ci95": row["ci95"],
+                                  "bytes_share": row["kv_bytes"] / full_bytes})  # fmt: skip
+    report = {"setup": vars(args), "full_ppl": result.full_ppl, "rows": table}
+    markdown = budget_markdown(table, lambda r: f"{r['delta_pct']:+.2f}%", KVPRESS_ROWS, KVPRESS_BITS)
+    markdown += f"\nPPL change against the full cache (PPL {result.full_ppl:.3f}, bfloat16), {args.docs} held-back "
+    markdown += "essays, prefix 1024, continuation 512; in brackets the bytes held as a share of the full cache. "
+    markdown += "kvpress: its presses over transformers' quantized cache (optimum-quanto, one scale and shift per "
+    markdown += "32 channels, every kept entry quantized after the prefill), its kept counts from the same bytes\n"
+    return report, markdown
+
+
+STAGES = {"ppl": stage_ppl, "tasks": stage_tasks, "stream": stage_stream, "kvpress": stage_kvpress}
 
 
 def main() -> None:

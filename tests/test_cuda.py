@@ -13,6 +13,7 @@ from conftest import tiny_llama
 from kvsieve.harness.cli import app
 from kvsieve.harness.models import load_model
 from kvsieve.harness.training.retention import decayed_attention, masked_decayed_attention
+from kvsieve.runtime.codecs import Quantized
 from kvsieve.runtime.kernels import VARLEN_ARGUMENTS, reference_attention, varlen_attention, varlen_available
 from kvsieve.runtime.segments import Segments
 from kvsieve.selection.checkpoint import read_gates
@@ -57,6 +58,27 @@ def test_compressed_decoding_on_cuda_equals_the_masked_reference(masked_referenc
     with masked_reference(model, ids[:, :100], kept) as ref:
         expected = model(ids[:, 100:], past_key_values=ref.cache).logits
     torch.testing.assert_close(torch.cat([*steps, rest], dim=1).float(), expected.float(), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@torch.no_grad()
+def test_quantized_decoding_on_cuda_equals_the_masked_reference_on_the_dequantized_entries(
+    masked_reference, dtype, atol, bits
+):
+    """Codes, scales and the residual live on the GPU; decoding reads them back as the float64 reference does."""
+    model = tiny_llama(seed=3).cuda().to(dtype)
+    ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(1)).cuda()
+    codec = Quantized(bits, 8, 8)
+    cache = kvsieve.compress(model, ids[:, :100], "snapkv+adaptive", 0.7, n_recent=8, kv_bits=bits, kv_group=8,
+                             kv_residual=8)  # fmt: skip
+    assert all(t.device.type == "cuda" for layer in cache.layers for t in layer.segments.body.data)
+    kept = [cache.kept_positions(layer) for layer in range(3)]
+    with kvsieve.sieve_attention(model):
+        steps = [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(100, 110)]
+    with masked_reference(model, ids[:, :100], kept, codec=codec) as ref:
+        expected = [model(ids[:, t : t + 1], past_key_values=ref.cache).logits for t in range(100, 110)]
+    torch.testing.assert_close(torch.cat(steps, 1).float(), torch.cat(expected, 1).float(), atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("length", [200, 1024])
@@ -108,7 +130,7 @@ def test_perplexity_on_cuda_equals_the_cpu(model_dir, tmp_path, protocol):
 
 def test_sweep_and_diagnose_run_on_cuda(model_dir, tmp_path):
     common = ["--model", str(model_dir), "--tasks", "hops,niah_multikey_1", "--rates", "0.5", "--samples", "1"]
-    common += ["--length", "256", "--modes", "agnostic,aware", "--device", "cuda", "--dtype", "bfloat16"]
+    common += ["--length", "384", "--modes", "agnostic,aware", "--device", "cuda", "--dtype", "bfloat16"]
     runner = CliRunner(env={"COLUMNS": "200"})
     sweep = runner.invoke(
         app, ["sweep", *common, "--policies", "snapkv,trimkv+global:gates=untrained", "--out", str(tmp_path / "s")]

@@ -7,12 +7,13 @@ import sys
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, QuantizedCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import kvsieve
 from conftest import tiny_llama
 from kvsieve.harness.compare import KVPRESS_PRESSES, import_kvpress, kvpress_compress, kvpress_ratio, make_press
+from kvsieve.harness.compare.kvpress import PrunedLayer
 from kvsieve.runtime.attention import ATTENTION_NAME, register_sieve_attention, sieve_attention_forward
 from kvsieve.selection.budget import uniform_keep
 
@@ -256,7 +257,8 @@ def test_missing_kvpress_says_how_to_install(monkeypatch):
 @pytest.mark.integration
 @torch.no_grad()
 def test_default_model_answers_like_kvpress_pipeline():
-    """On SmolLM2, our prefill + plain `generate` answers exactly as kvpress's own pipeline does."""
+    """On SmolLM2, our prefill + plain `generate` answers exactly as kvpress's own pipeline does (over its quantized
+    cache too)."""
     model, tokenizer = kvsieve.load_model()
     filler = "The grass is green and the sky is blue; the sun shines over the quiet hills. "
     context = filler * 3 + "The secret code is 4721. " + filler * 2
@@ -265,9 +267,91 @@ def test_default_model_answers_like_kvpress_pipeline():
     inputs = pipe.preprocess(context, [question], answer_prefix="", max_context_length=10**6)
     ctx, q = inputs["context_ids"], inputs["questions_ids"][0]
     ratio = kvpress_ratio(0.6, ctx.shape[-1], N_PROTECTED)
-    for name in ["snapkv", "adakv_expected_attention"]:
-        expected = pipe(context, question=question, press=make_press(name, ratio), max_new_tokens=5)["answer"]
-        pressed = kvpress_compress(model, ctx, name, 0.6)
+    for name, bits in [("snapkv", 16), ("adakv_expected_attention", 16), ("snapkv", 4), ("knorm", 2)]:
+        cache = None if bits == 16 else QuantizedCache("quanto", model.config, nbits=bits, q_group_size=32)
+        press = make_press(name, ratio)
+        expected = pipe(context, question=question, press=press, cache=cache, max_new_tokens=5)["answer"]
+        pressed = kvpress_compress(model, ctx, name, 0.6, kv_bits=bits)
         out = pressed.generate(model, torch.cat([ctx, q], -1), max_new_tokens=5)
         ours = tokenizer.decode(out[0, ctx.shape[-1] + q.shape[-1] :], skip_special_tokens=True)
-        assert ours == expected, name
+        assert ours == expected, (name, bits)
+
+
+def _dequantized(pressed) -> DynamicCache:
+    """The entries a quantized press's cache holds, read back into a pruned full-precision cache."""
+    reference = DynamicCache()
+    reference.layers = [
+        PrunedLayer(
+            layer._dequantize(layer._quantized_keys),
+            layer._dequantize(layer._quantized_values),
+            layer.n_missing,
+        )
+        for layer in pressed.cache.layers
+    ]
+    return reference
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@torch.no_grad()
+def test_a_quantized_press_keeps_the_same_count_in_fewer_bytes_and_reads_its_codes(bits):
+    """Over transformers' quantized cache: kvsieve's count per head, bytes of codes + scales + shifts, and logits
+    (teacher forced and generated) equal to its own dequantized entries at their true positions."""
+    model, ids = tiny_llama(seed=3), _ids(seed=2)
+    ctx, question = ids[:, :N_CONTEXT], ids[:, N_CONTEXT:]
+    plain = kvpress_compress(model, ctx, "snapkv", 0.6)
+    pressed = kvpress_compress(model, ctx, "snapkv", 0.6, kv_bits=bits, kv_group=8)
+    n_keep = int(plain.visible.sum(-1)[0, 0])
+    assert (pressed.visible.sum(-1) == n_keep).all()
+    assert [layer.get_seq_length() for layer in pressed.cache.layers] == [N_CONTEXT] * 3
+    entry = 2 * (HEAD_DIM * bits // 8 + 2 * (HEAD_DIM // 8) * 4)  # key and value: codes, a scale and shift per 8
+    assert pressed.kv_bytes == 3 * 2 * n_keep * entry < plain.kv_bytes
+    ours = pressed.forward(model, question)
+    assert torch.equal(pressed.forward(model, question), ours), "answering leaves the cache as it was"
+    gen = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0, "return_dict_in_generate": True}
+    gen["output_logits"] = True
+    with pressed.decoding(model):
+        ours_gen = model.generate(ids, past_key_values=copy.deepcopy(pressed.cache), **gen)
+        expected = _logits(model, _dequantized(pressed), question)
+        expected_gen = model.generate(ids, past_key_values=_dequantized(pressed), **gen)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.stack(ours_gen.logits), torch.stack(expected_gen.logits), atol=1e-5, rtol=0)
+    assert (ours - plain.forward(model, question)).abs().max() > 1e-4, "the codes are read, not the computed entries"
+
+
+def test_a_press_spec_names_its_bits():
+    from kvsieve.harness.eval.contenders import parse_contenders
+    from kvsieve.selection.errors import PolicyError
+
+    methods = parse_contenders("kvpress:snapkv:kv_bits=4,kvpress:snapkv,kvpress:knorm:kv_bits=2")
+    assert [(m.name, m.kv_bits) for m in methods[1:]] == [
+        ("kvpress:snapkv:kv_bits=4", 4),
+        ("kvpress:snapkv", 16),
+        ("kvpress:knorm:kv_bits=2", 2),
+    ]
+    for bad, message in [
+        ("kvpress:snapkv:kv_bits=8", "stores 2 or 4 bits"),
+        ("kvpress:snapkv:window=4", "one parameter, kv_bits=4 or kv_bits=2"),
+        ("kvpress:snapkv:kv_bits=4,kv_group=8", "one parameter"),
+    ]:
+        with pytest.raises(PolicyError, match=message):
+            parse_contenders(bad)
+    with pytest.raises(ValueError, match="streams run on its full-precision cache"):
+        methods[1].stream(tiny_llama(), 8, 4, 0)
+    with pytest.raises(ValueError, match="kv_bits=8 nowhere here"):
+        kvpress_compress(tiny_llama(), _ids()[:, :N_CONTEXT], "knorm", 0.5, kv_bits=8)
+
+
+@torch.no_grad()
+def test_the_perplexity_protocol_runs_a_quantized_press():
+    from kvsieve.harness.eval import run_ppl
+
+    model = tiny_llama(seed=5)
+    documents = [(f"doc{i}", _ids(89, seed=10 + i)) for i in range(2)]
+    spec = "kvpress:knorm:kv_bits=4"
+    result = run_ppl(model, documents, [spec, "knorm"], [0.5], 64, 24)
+    for row, (_, ids) in enumerate(documents):
+        pressed = kvpress_compress(model, ids[:, :64], "knorm", 0.5, kv_bits=4)
+        logits = pressed.forward(model, ids[:, 64:88])[0]
+        expected = torch.nn.functional.cross_entropy(logits, ids[0, 65:89], reduction="sum")
+        assert result.nll[spec, 0.5][row] == pytest.approx(float(expected), rel=1e-5)
+        assert result.kv_bytes[spec, 0.5][row] == pressed.kv_bytes < result.kv_bytes["knorm", 0.5][row]

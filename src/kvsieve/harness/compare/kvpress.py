@@ -20,6 +20,9 @@ Two kvpress behaviours matter for a fair comparison:
 On a stream (streaming perplexity), `PressStream` runs kvpress's `DecodingPress` around a scorer
 press: the cache is compressed to a fixed number of entries per head after every forward.
 
+With `kv_bits` 4 or 2, the press compresses `transformers`' quantized cache, as kvpress supports
+(`kvsieve.harness.compare.kvpress_quantized`).
+
 Install with ``pip install "kvsieve[compare]"``.
 """
 
@@ -38,11 +41,13 @@ from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ...runtime.attention import attention_implementation
+from ...runtime.codecs import DEFAULT_GROUP
 from ...selection.architecture import attention_module, decoder_layers
 from ...selection.budget import check_count, check_rate, evicted_count
 from ...selection.observation import DEFAULT_WINDOW
 from ...selection.protection import DEFAULT_N_RECENT, DEFAULT_N_SINK
 from ..eval.streams import CacheSize
+from .kvpress_quantized import cache_nbytes, check_kv_bits, mark_pruned, quantized_cache
 
 #: The presses this adapter runs, by kvsieve name.
 KVPRESS_PRESSES: tuple[str, ...] = (
@@ -143,6 +148,14 @@ class PrunedLayer(DynamicLayer):
         return self.stored_length() + cache_position.shape[0], self.n_missing
 
 
+def _prune(cache: DynamicCache, n_context: int) -> None:
+    """Every layer a press shortened becomes a `PrunedLayer` that counts the `n_context` tokens it has seen."""
+    for layer_idx, layer in enumerate(cache.layers):
+        n_missing = n_context - int(layer.keys.shape[-2])
+        if n_missing:
+            cache.layers[layer_idx] = PrunedLayer(layer.keys, layer.values, n_missing)
+
+
 def row_fingerprints(rows: torch.Tensor) -> torch.Tensor:
     """`[n, d]` float rows -> `[n]` int64: an exact, order-independent hash of each row's bits.
 
@@ -232,7 +245,8 @@ class PressedCache:
     Attributes:
         cache: continue from it with `model(...)` / `model.generate(...)` inside `decoding(model)`;
             pass a `copy.deepcopy` of it when it serves several continuations.
-        kv_bytes: bytes of the key and value tensors the cache holds (masked entries included).
+        kv_bytes: bytes of the keys and values the cache holds (masked entries included; codes, scales and
+            shifts when quantized).
         visible: bool `[layers, kv_heads, n_context]`, the entries decoding can still attend to.
         seconds: wall time of the compressing prefill.
         masked_key_indices: per layer, AdaKV's masked (batch, head, position) indices (empty otherwise).
@@ -283,10 +297,6 @@ class PressedCache:
             return model(input_ids=input_ids, past_key_values=copy.deepcopy(self.cache)).logits
 
 
-def _cache_nbytes(cache: DynamicCache) -> int:
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-
-
 @torch.no_grad()
 def kvpress_compress(
     model: torch.nn.Module,
@@ -295,8 +305,13 @@ def kvpress_compress(
     rate: float,
     *,
     n_protected: int = DEFAULT_N_SINK + DEFAULT_N_RECENT,
+    kv_bits: int = 16,
+    kv_group: int = DEFAULT_GROUP,
 ) -> PressedCache:
     """Prefill `context_ids` (`[1, n]`) under the kvpress press `press` at kvsieve's eviction `rate`.
+
+    With `kv_bits` 4 or 2 the press compresses `transformers`' quantized cache (optimum-quanto, `kv_group`
+    channels per scale and shift), which holds every kept entry quantized.
 
     The ratio given to kvpress evicts the same number of entries per head as kvsieve's policies do
     at `rate` with `n_protected` protected entries (kvsieve's sinks and recent tail by default; see
@@ -306,6 +321,7 @@ def kvpress_compress(
     if not isinstance(context_ids, torch.Tensor) or context_ids.ndim != 2 or context_ids.shape[0] != 1:
         raise ValueError("context_ids must be a LongTensor of shape [1, tokens]")
     n_context = int(context_ids.shape[-1])
+    check_kv_bits(kv_bits)
     pressed = make_press(press, kvpress_ratio(rate, n_context, n_protected))
     visible: dict[int, torch.Tensor] = {}
     masked: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -332,7 +348,7 @@ def kvpress_compress(
         return kept_keys, kept_values
 
     pressed.compress = recording_compress
-    cache = DynamicCache()
+    cache = DynamicCache() if kv_bits == 16 else quantized_cache(model.config, kv_bits, kv_group)
     modules = _attention_modules(model)
     implementation = "eager" if press in EAGER_PRESSES else KVPRESS_ATTENTION
     try:
@@ -348,13 +364,13 @@ def kvpress_compress(
             module.masked_key_indices = None  # kept in the PressedCache, applied only inside decoding()
     if len(visible) != len(cache.layers):
         raise RuntimeError(f"the press compressed {len(visible)} of {len(cache.layers)} layers")
-    for layer_idx, layer in enumerate(cache.layers):
-        n_missing = n_context - int(layer.keys.shape[-2])
-        if n_missing:
-            cache.layers[layer_idx] = PrunedLayer(layer.keys, layer.values, n_missing)
+    if kv_bits == 16:
+        _prune(cache, n_context)
+    else:
+        mark_pruned(cache, n_context)
     return PressedCache(
         cache=cache,
-        kv_bytes=_cache_nbytes(cache),
+        kv_bytes=cache_nbytes(cache),
         visible=torch.stack([visible[i] for i in range(len(cache.layers))]),
         seconds=seconds,
         masked_key_indices=masked,
@@ -433,7 +449,7 @@ class PressStream:
 
     def nbytes(self) -> int:
         """Bytes of the key and value tensors the cache holds (all rows)."""
-        return _cache_nbytes(self.cache)
+        return cache_nbytes(self.cache)
 
     def allocated_nbytes(self) -> int:
         """Bytes of the storage behind those tensors (all rows)."""

@@ -49,25 +49,42 @@ def with_kv_bits(specs: list[str], kv_bits: int | None) -> list[str]:
     return out
 
 
+def kvpress_method(spec: str) -> KvpressPress:
+    """A kvpress press from ``kvpress:<press>``, or ``kvpress:<press>:kv_bits=4`` over its quantized cache."""
+    from ..compare.kvpress import KVPRESS_PRESSES
+    from ..compare.kvpress_quantized import check_kv_bits
+
+    press, _, storage = spec.removeprefix(KVPRESS_PREFIX).partition(":")
+    if press not in KVPRESS_PRESSES:
+        raise PolicyError(f"unknown kvpress press {press!r}; known: {', '.join(KVPRESS_PRESSES)}")
+    if not storage:
+        return KvpressPress(press)
+    key, _, value = storage.partition("=")
+    if key != "kv_bits" or not value.isdigit():
+        raise PolicyError(f"{spec}: a kvpress press takes one parameter, kv_bits=4 or kv_bits=2, got {storage!r}")
+    try:
+        check_kv_bits(int(value))
+    except ValueError as err:
+        raise PolicyError(f"{spec}: {err}") from None
+    return KvpressPress(press, int(value))
+
+
+def contender(spec: str | Policy) -> CacheMethod:
+    """The method a spec names: the full cache, a kvpress press (``kvpress:...``) or a kvsieve policy."""
+    if spec == FULL:
+        return FullCache()
+    if isinstance(spec, str) and spec.startswith(KVPRESS_PREFIX):
+        return kvpress_method(spec)
+    return kvsieve_method(spec)
+
+
 def parse_contenders(specs: str | list[str]) -> list[CacheMethod]:
     """Methods from policy specs (``"snapkv+adaptive:window=16,random,kvpress:snapkv"`` or a list).
 
     The full cache is always first, whether named or not; duplicates are refused.
     """
     items = split_policies(specs) if isinstance(specs, str) else list(specs)
-    out: list[CacheMethod] = [FullCache()]
-    for spec in items:
-        if spec == FULL:
-            continue
-        if spec.startswith(KVPRESS_PREFIX):
-            from ..compare.kvpress import KVPRESS_PRESSES
-
-            press = spec.removeprefix(KVPRESS_PREFIX)
-            if press not in KVPRESS_PRESSES:
-                raise PolicyError(f"unknown kvpress press {press!r}; known: {', '.join(KVPRESS_PRESSES)}")
-            out.append(KvpressPress(press))
-        else:
-            out.append(kvsieve_method(spec))
+    out: list[CacheMethod] = [FullCache(), *(contender(spec) for spec in items if spec != FULL)]
     names = [c.name for c in out]
     if len(set(names)) != len(names):
         raise PolicyError(f"policies must be distinct, got {', '.join(names[1:])}")

@@ -296,7 +296,7 @@ class PressCompression:
             raise ValueError("kvpress configurations are compressed one at a time")
         (method, rate) = todo[0]
         n_protected = DEFAULT_N_SINK + DEFAULT_N_RECENT + case.n_question
-        pressed = kvpress_compress(model, case.ids, method.press, rate, n_protected=n_protected)
+        pressed = kvpress_compress(model, case.ids, method.press, rate, n_protected=n_protected, kv_bits=method.kv_bits)
         visible = pressed.visible[..., : case.n_context]
         return Compressed(
             pressed.cache, [pressed.kv_bytes], [visible], functools.partial(pressed.decoding, model), pressed.max_feed
@@ -308,9 +308,11 @@ PRESS = PressCompression()
 
 @dataclass(frozen=True)
 class KvpressPress:
-    """An NVIDIA kvpress press (`kvsieve.harness.compare.kvpress`), named ``kvpress:<press>``."""
+    """An NVIDIA kvpress press (`kvsieve.harness.compare.kvpress`), named ``kvpress:<press>``; with `kv_bits` 4 or 2
+    it compresses `transformers`' quantized cache (``kvpress:<press>:kv_bits=4``)."""
 
     press: str
+    kv_bits: int = 16
     library: ClassVar[str] = "kvpress"
     builder: ClassVar[CacheBuilder] = PRESS
     is_full: ClassVar[bool] = False
@@ -318,7 +320,8 @@ class KvpressPress:
 
     @property
     def name(self) -> str:
-        return f"{KVPRESS_PREFIX}{self.press}"
+        storage = "" if self.kv_bits == 16 else f":kv_bits={self.kv_bits}"
+        return f"{KVPRESS_PREFIX}{self.press}{storage}"
 
     @property
     def needs(self) -> Needs:
@@ -329,6 +332,8 @@ class KvpressPress:
 
         if budget is None:
             raise ValueError(f"{self.name} streams at a budget (target_size)")
+        if self.kv_bits != 16:
+            raise ValueError(f"{self.name}: kvpress streams run on its full-precision cache here; drop kv_bits")
         return PressStream(model, self.press, budget, buffer, seed)
 
 

@@ -26,7 +26,7 @@ from ...selection.budget import check_rate
 from ...selection.observation import Needs
 from ...selection.policy import Policy
 from ..progress import ProgressCallback
-from .contenders import kvsieve_method
+from .contenders import contender
 from .methods import Case, FullCache, build, passes
 from .stats import bootstrap_delta_ci, pooled_delta_pct, pooled_ppl
 
@@ -109,7 +109,7 @@ def run_ppl(
         reprefill: re-run the prefill for every configuration and feed them one at a time, as a
             library that compresses during the prefill must (for timing; the numbers are the same).
     """
-    methods = [kvsieve_method(p) for p in policies]
+    methods = [contender(p) for p in policies]
     rates = [check_rate(r) for r in rates]
     if rows_per_pass < 1:
         raise ValueError(f"rows_per_pass must be >= 1, got {rows_per_pass}")
