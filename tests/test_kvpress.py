@@ -355,3 +355,17 @@ def test_the_perplexity_protocol_runs_a_quantized_press():
         expected = torch.nn.functional.cross_entropy(logits, ids[0, 65:89], reduction="sum")
         assert result.nll[spec, 0.5][row] == pytest.approx(float(expected), rel=1e-5)
         assert result.kv_bytes[spec, 0.5][row] == pressed.kv_bytes < result.kv_bytes["knorm", 0.5][row]
+
+
+def test_kept_copies_of_one_row_match_distinct_positions():
+    """Exact copies (common among quantized entries) are interchangeable: each kept copy takes its own position."""
+    from kvsieve.harness.compare.kvpress import match_rows
+
+    full = torch.tensor([[1.0, 2.0], [3.0, 4.0], [1.0, 2.0], [5.0, 6.0], [1.0, 2.0]])
+    index = match_rows(full, full[[4, 3, 0]])
+    assert torch.equal(full[index], full[[4, 3, 0]]) and index.unique().numel() == 3
+    assert set(index.tolist()) - {3} <= {0, 2, 4}
+    with pytest.raises(RuntimeError, match="could not locate"):
+        match_rows(full, torch.tensor([[1.0, 2.0]] * 4))  # more copies than the prefill holds
+    with pytest.raises(RuntimeError, match="could not locate"):
+        match_rows(full, torch.tensor([[7.0, 8.0]]))

@@ -173,16 +173,20 @@ def row_fingerprints(rows: torch.Tensor) -> torch.Tensor:
 def match_rows(full: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """Indices `i` with `full[i] == kept` row by row (exact copies), for `[n, d]` and `[m, d]` tensors.
 
-    Raises `RuntimeError` if a kept row is no copy of a full row or two kept rows map to one.
+    Rows that are exact copies of each other (frequent among quantized entries) are interchangeable for
+    attention: the copies kept are matched to the copies in the prefill in order. Raises `RuntimeError` if
+    a kept row is no copy of a full row, or a row is kept more often than the prefill holds it.
     """
     full_fp, kept_fp = row_fingerprints(full), row_fingerprints(kept)
-    ordered, order = full_fp.sort()
-    slot = torch.searchsorted(ordered, kept_fp).clamp(max=len(ordered) - 1)
-    index = order[slot]
+    ordered, order = full_fp.sort(stable=True)
+    kept_sorted, kept_order = kept_fp.sort(stable=True)
+    copy_rank = torch.arange(len(kept_sorted), device=kept.device) - torch.searchsorted(kept_sorted, kept_sorted)
+    slot = (torch.searchsorted(ordered, kept_sorted) + copy_rank).clamp(max=len(ordered) - 1)
+    index = torch.empty_like(slot)
+    index[kept_order] = order[slot]
     if not torch.equal(full[index], kept) or index.unique().numel() != index.numel():
         raise RuntimeError(
-            "could not locate the press's kept entries among the prefill's entries "
-            "(the press changed them, or the context holds duplicate key/value rows)"
+            "could not locate the press's kept entries among the prefill's entries (the press changed them)"
         )
     return index
 
