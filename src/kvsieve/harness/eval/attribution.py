@@ -31,9 +31,10 @@ Spans = tuple[tuple[int, int], ...]
 
 
 def routed(observations: Sequence[Observation], n_context: int) -> torch.Tensor:
-    """`[layers, n_context]` bool: the layer's full-cache attention routes through the token (see module doc)."""
+    """`[layers, n_context]` bool on the CPU, beside the survival masks: the layer's full-cache attention routes
+    through the token (see module doc)."""
     rows = [head_attention(obs)[:, :n_context].amax(dim=0) >= 1.0 / n_context for obs in observations]
-    return torch.stack(rows)
+    return torch.stack(rows).cpu()
 
 
 def missed_evidence(survival: torch.Tensor, routes: torch.Tensor, evidence: torch.Tensor) -> bool:
