@@ -220,8 +220,9 @@ def composition_markdown(rows: list[dict]) -> str:
     for (policy, bits), group in pd.DataFrame(rows).groupby(["policy", "bits"], sort=False):
         cells = [f"{r.vs_16_bits:+.2f}% [{r.ci95[0]:+.1f}, {r.ci95[1]:+.1f}]" for r in group.itertuples()]
         body.append([policy, str(bits), *cells])
-    note = "\nPPL change of the quantized cache against the same entries kept in bfloat16 (paired bootstrap)\n"
-    return markdown_table(header, body) + note
+    note = "\nPPL change of the quantized cache against the same entries kept in bfloat16 (paired bootstrap); "
+    note += "the rates are those of eviction alone at 50, 25, 12.5 and 6.25% of the full cache's bytes\n"
+    return markdown_table(header, body) + "\n" + note
 
 
 def stage_tasks(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:

@@ -369,3 +369,11 @@ def test_kept_copies_of_one_row_match_distinct_positions():
         match_rows(full, torch.tensor([[1.0, 2.0]] * 4))  # more copies than the prefill holds
     with pytest.raises(RuntimeError, match="could not locate"):
         match_rows(full, torch.tensor([[7.0, 8.0]]))
+
+
+def test_missing_optimum_quanto_says_how_to_install(monkeypatch):
+    import transformers.cache_utils
+
+    monkeypatch.setattr(transformers.cache_utils, "is_optimum_quanto_available", lambda: False)
+    with pytest.raises(ImportError, match=r'needs optimum-quanto: pip install "kvsieve\[compare\]"'):
+        kvpress_compress(tiny_llama(), _ids()[:, :N_CONTEXT], "knorm", 0.5, kv_bits=4)

@@ -62,7 +62,6 @@ def check_kv_bits(kv_bits: int) -> None:
 def quantized_cache(config: PreTrainedConfig, kv_bits: int, group: int) -> QuantizedCache:
     """A `QuantizedCache` (quanto backend, `kv_bits` per number, `group` channels per scale) whose layers report
     the tokens they have seen after a press (`PrunedQuantizedLayer`)."""
-    check_kv_bits(kv_bits)
     try:
         cache = QuantizedCache("quanto", config, nbits=kv_bits, q_group_size=group)
     except ImportError as err:
@@ -83,7 +82,7 @@ def mark_pruned(cache: QuantizedCache, n_context: int) -> None:
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:
     """Bytes a tensor holds; a quantized tensor subclass (codes, scales, shifts) is summed over its parts."""
-    if type(tensor) is torch.Tensor or not hasattr(tensor, "__tensor_flatten__"):
+    if not hasattr(tensor, "__tensor_flatten__"):  # a plain tensor
         return tensor.numel() * tensor.element_size()
     names, _ = tensor.__tensor_flatten__()
     return sum(tensor_nbytes(getattr(tensor, name)) for name in names)
