@@ -401,9 +401,10 @@ def sweep(
     length: Annotated[int, typer.Option(min=128, help="prompt tokens per sample")] = 2048,
     modes: Annotated[str, typer.Option(help="agnostic, aware, or agnostic,aware")] = "agnostic",
     seed: Annotated[int, typer.Option(help="sample generation")] = 0,
-    out: Annotated[Path, typer.Option(help="results folder (results.jsonl is appended to: a rerun resumes)")] = Path(
-        "results/sweep"
-    ),
+    out: Annotated[
+        Path,
+        typer.Option(help="results folder (results.jsonl, appended to: a rerun resumes; results.parquet when done)"),
+    ] = Path("results/sweep"),
     model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",

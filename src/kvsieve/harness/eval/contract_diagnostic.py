@@ -38,6 +38,7 @@ from .attribution import attribute, missed_evidence, routed, span_states
 from .forced import ForcedSlots
 from .methods import FULL, CacheMethod, Case, Compressed, FullCache, KvsievePolicy, build
 from .results_log import ResultsLog
+from .results_table import write_table
 from .routing import evidence_recall, global_eviction_ratio
 from .sweep import check_modes, prefill_needs, row_key, sample_case, sample_header, sample_key, split_prompt
 
@@ -258,7 +259,8 @@ def run_diagnostic(
     Args:
         scalars: ranking scalars swapped into the contract (``importance`` is always included).
         rates: eviction rates in [0, 1). modes: ``"agnostic"`` and/or ``"aware"``.
-        contract: what stays fixed. results: a JSONL file (a rerun resumes). chat: as `run_sweep`'s.
+        contract: what stays fixed. results: a JSONL file (a rerun resumes; a Parquet table beside it when
+        done). chat: as `run_sweep`'s.
         progress: called after every case with (configurations done, total).
     """
     rates, modes = [check_rate(r) for r in rates], check_modes(modes)
@@ -282,4 +284,6 @@ def run_diagnostic(
             done += todo
             if progress:
                 progress(done, total)
+    if log.path:
+        write_table(log.rows, log.path)
     return pd.DataFrame(log.rows)

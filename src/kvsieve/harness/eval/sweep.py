@@ -35,6 +35,7 @@ from .contenders import parse_contenders
 from .methods import CacheMethod, Case, Configuration, build, passes
 from .respond import Response
 from .results_log import ResultsLog
+from .results_table import write_table
 from .routing import diagnose
 
 #: Question-agnostic: compress the context before the question is seen. Question-aware: after.
@@ -201,7 +202,8 @@ def run_sweep(
         policies: kvsieve policy specs and ``kvpress:<press>`` names; the full cache is always included.
         rates: eviction rates in [0, 1) (the full cache runs once, as rate 0).
         modes: ``"agnostic"`` and/or ``"aware"``.
-        results: a JSONL file; rows it already holds are not run again, new rows are appended.
+        results: a JSONL file; rows it already holds are not run again, new rows are appended. When the
+            sweep ends, every row is also written beside it as a Parquet table (`results_table`).
         chat: wrap prompts in the tokenizer's chat template (default: when it has one).
         diagnostics: add the routing diagnostics (GER, evidence recall, head consensus) to each row.
         reprefill: prefill again for every configuration and answer one configuration at a time,
@@ -244,4 +246,6 @@ def run_sweep(
                 finished += len(batch)
                 if progress:
                     progress(finished, total)
+    if log.path:
+        write_table(log.rows, log.path)
     return pd.DataFrame(log.rows)

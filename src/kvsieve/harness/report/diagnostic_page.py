@@ -12,7 +12,7 @@ import pandas as pd
 from ..eval.attribution import MODES_OF_FAILURE
 from ..eval.contract_diagnostic import ATTENTION_MASS
 from ..eval.diagnostic_tables import failure_mix, fixes, raises_margin, worked_case
-from ..eval.results_log import read_rows
+from ..eval.results_table import read_results
 from .tables import markdown_table
 
 DIAGNOSTIC_FILE = "diagnostic.jsonl"
@@ -22,12 +22,12 @@ WORKED_MAP = "worked_case.png"
 
 
 def load_diagnostic(folder: str | Path) -> pd.DataFrame:
-    """The rows of a diagnostic folder."""
+    """The rows of a diagnostic folder: its Parquet table, or its results log where that is newer."""
     path = Path(folder) / DIAGNOSTIC_FILE
-    rows = read_rows(path)
-    if not rows:
+    rows = read_results(path)
+    if rows.empty:
         raise FileNotFoundError(f"{path} holds no diagnostic rows; run `kvsieve diagnose --out {folder}` first")
-    return pd.DataFrame(rows)
+    return rows
 
 
 def _pct(value: float, interval: list[float] | None = None) -> str:

@@ -12,7 +12,7 @@ import pandas as pd
 
 from ...selection.protection import DEFAULT_N_RECENT, DEFAULT_N_SINK
 from ..eval.analysis import accuracy_by_rate, cliff, consensus_by_depth, hallucination_vs_ger, library_side_by_side
-from ..eval.results_log import read_rows
+from ..eval.results_table import read_results
 from .figures import plot_accuracy_vs_rate, plot_consensus_by_depth, plot_hallucination_vs_ger
 
 RESULTS_FILE = "results.jsonl"
@@ -30,12 +30,12 @@ img { max-width: 100%; border: 1px solid #eee; margin: 0.5em 0; }
 
 
 def load_results(folder: str | Path) -> pd.DataFrame:
-    """The rows of a sweep folder's results file."""
+    """The rows of a sweep folder: its Parquet table, or its results log where that is newer."""
     path = Path(folder) / RESULTS_FILE
-    rows = read_rows(path)
-    if not rows:
+    rows = read_results(path)
+    if rows.empty:
         raise FileNotFoundError(f"{path} holds no sweep rows; run `kvsieve sweep --out {folder}` first")
-    return pd.DataFrame(rows)
+    return rows
 
 
 def _table(frame: pd.DataFrame, formats: dict[str, str] | None = None) -> str:
