@@ -40,6 +40,7 @@ import pandas as pd
 import torch
 
 import kvsieve
+from kvsieve.harness.compare.kvpress_quantized import KVPRESS_KV_BITS
 from kvsieve.harness.data import essay_split, sample_documents, task_samples
 from kvsieve.harness.data.ruler import RULER_TASKS
 from kvsieve.harness.eval import run_ppl
@@ -66,8 +67,8 @@ NEEDLES = tuple(task for task in RULER_TASKS if task.startswith("niah"))
 KVPRESS_OURS = ("trimkv+global", "snapkv", "expected")
 PRESSES = ("snapkv", "expected_attention")
 KVPRESS_ROWS = ("trimkv+global", "snapkv", "kvpress:snapkv", "expected", "kvpress:expected_attention")
-#: Widths kvpress's quantized cache stores (optimum-quanto), and full precision.
-KVPRESS_BITS = (16, 4, 2)
+#: Widths kvpress's quantized cache stores (optimum-quanto), after full precision.
+KVPRESS_BITS = (16, *sorted(KVPRESS_KV_BITS, reverse=True))
 FULL_RUN = {"docs": 6, "samples": 1, "length": 1024, "stream_docs": 1, "stream_tokens": 4096, "stream_from": 2048}
 QUICK = {"docs": 2, "samples": 1, "length": 1024, "stream_docs": 1, "stream_tokens": 1024, "stream_from": 512}
 STREAM_BUDGETS = (1024, 512, 256, 128)  # bfloat16 entries per (layer, kv-head); QUICK halves them
