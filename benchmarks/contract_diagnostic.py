@@ -32,6 +32,7 @@ from kvsieve.harness.report.diagnostic_page import (
     WORKED_MAP,
     write_diagnostic_page,
 )
+from kvsieve.harness.runners import LocalRunner
 
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results"
@@ -90,10 +91,16 @@ def main() -> None:
     with progress_bar("contract diagnostic") as progress:
         scalars, modes = default_scalars(model), ("agnostic", "aware")
         rows = run_diagnostic(
-            model, tokenizer, samples, scalars, rates, modes, results=RAW / DIAGNOSTIC_FILE, progress=progress
+            LocalRunner(model, tokenizer),
+            samples,
+            scalars,
+            rates,
+            modes,
+            results=RAW / DIAGNOSTIC_FILE,
+            progress=progress,
         )
     seconds = time.perf_counter() - start
-    write_worked_map(model, tokenizer, samples, rows, Contract(), RAW)
+    write_worked_map(LocalRunner(model, tokenizer), samples, rows, Contract(), RAW)
     page = write_diagnostic_page(RAW)
     summary = {
         "tasks": args.tasks.split(","),

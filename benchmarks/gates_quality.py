@@ -21,6 +21,7 @@ from kvsieve.harness.data import essay_split, sample_documents
 from kvsieve.harness.eval import bootstrap_delta_ci, pooled_delta_pct, run_ppl
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table
+from kvsieve.harness.runners import LocalRunner
 from kvsieve.selection.checkpoint import read_gates
 
 RESULTS = Path(__file__).parent / "results"
@@ -34,7 +35,7 @@ def measure(checkpoints: dict[str, str]) -> dict:
     documents = sample_documents(tokenizer, 6, 1024 + 512 + 1, names=essay_split()[1])
     specs = {SHIPPED: "trimkv+global"} | {name: f"trimkv+global:gates={path}" for name, path in checkpoints.items()}
     with progress_bar("perplexity, held-back essays") as progress:
-        result = run_ppl(model, documents, list(specs.values()), RATES, progress=progress)
+        result = run_ppl(LocalRunner(model), documents, list(specs.values()), RATES, progress=progress)
     full, tokens = np.array(result.nll_full), result.tokens
     rows = []
     for name, spec in specs.items():

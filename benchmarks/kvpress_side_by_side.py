@@ -24,6 +24,7 @@ from kvsieve.harness.data.suites import task_samples
 from kvsieve.harness.eval.sweep import run_sweep
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table
+from kvsieve.harness.runners import LocalRunner
 
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results"
@@ -117,7 +118,9 @@ def main() -> None:
     policies = [*PAIRS, *(f"kvpress:{press}" for press in PAIRS.values())]
     RAW.mkdir(parents=True, exist_ok=True)
     with progress_bar("kvsieve and kvpress, same samples") as progress:
-        rows = run_sweep(model, tokenizer, samples, policies, rates, results=RAW / "results.jsonl", progress=progress)
+        rows = run_sweep(
+            LocalRunner(model, tokenizer), samples, policies, rates, results=RAW / "results.jsonl", progress=progress
+        )
     table = side_by_side(rows)
     full_rows = rows[rows["policy"] == "full"]
     full = pd.Series(

@@ -43,6 +43,7 @@ from kvsieve.harness.eval.sweep import run_sweep
 from kvsieve.harness.gemma import GEMMA_MODEL
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table, ppl_markdown, stream_markdown
+from kvsieve.harness.runners import LocalRunner
 
 RESULTS = Path(__file__).parent / "results"
 LEARNED = ["trimkv+global", "trimkv", "trimkv+adaptive", "trimkv+global:gates=untrained"]
@@ -66,7 +67,7 @@ def stage_ppl(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dic
     documents = sample_documents(tokenizer, args.docs, 1024 + 512 + 1, names=heldout)
     policies = [*LEARNED, *HEURISTICS]
     with progress_bar("perplexity, held-back essays") as progress:
-        result = run_ppl(model, documents, policies, [0.5, 0.7, 0.8, 0.9], progress=progress)
+        result = run_ppl(LocalRunner(model), documents, policies, [0.5, 0.7, 0.8, 0.9], progress=progress)
     paired = _paired_rows(result)
     nll = {f"{policy}@{rate}": values for (policy, rate), values in result.nll.items()}
     report = result.to_json() | {"paired": paired, "nll": nll | {"full": result.nll_full}}
@@ -79,8 +80,7 @@ def stage_tasks(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[d
         samples = task_samples(suite, tokenizer, length=args.length, n=args.samples, seed=0)
         with progress_bar(f"{suite}: agnostic and aware") as progress:
             frames.append(
-                run_sweep(
-                    model, tokenizer, samples, [*LEARNED[:3], *HEURISTICS], [0.5, 0.75, 0.9],
+                run_sweep(LocalRunner(model, tokenizer), samples, [*LEARNED[:3], *HEURISTICS], [0.5, 0.75, 0.9],
                     ("agnostic", "aware"), diagnostics=False, progress=progress,
                 )
             )  # fmt: skip
@@ -99,7 +99,7 @@ def stage_stream(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[
     documents = streaming_documents(tokenizer, args.stream_docs, args.stream_tokens, names=heldout)
     policies = ["trimkv+global", "trimkv", "h2o", "snapkv", "streaming"]
     with progress_bar("streaming perplexity, held-back essays") as progress:
-        result = run_streaming(model, documents, policies, args.budgets, progress=progress)
+        result = run_streaming(LocalRunner(model), documents, policies, args.budgets, progress=progress)
     report = result.to_json()
     return report, stream_markdown(report)
 
@@ -110,7 +110,12 @@ def stage_crossover(model: Any, tokenizer: Any, args: argparse.Namespace) -> tup
         samples = task_samples("niah_single_2,niah_multikey_1", tokenizer, length=length, n=args.needle_samples, seed=0)
         with progress_bar(f"needles at {length} tokens") as progress:
             frame = run_sweep(
-                model, tokenizer, samples, [CLAIMANT, "snapkv"], [0.9], diagnostics=False, progress=progress
+                LocalRunner(model, tokenizer),
+                samples,
+                [CLAIMANT, "snapkv"],
+                [0.9],
+                diagnostics=False,
+                progress=progress,
             )
         frames.append(frame.assign(length=length))
     rows = pd.concat(frames, ignore_index=True)
@@ -125,7 +130,12 @@ def stage_length(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[
     samples = task_samples("niah_single_2,niah_multikey_1", tokenizer, length=length, n=args.needle_samples, seed=0)
     with progress_bar(f"needles at {length} tokens") as progress:
         rows = run_sweep(
-            model, tokenizer, samples, [CLAIMANT, "snapkv"], [0.5, 0.75, 0.9], diagnostics=False, progress=progress
+            LocalRunner(model, tokenizer),
+            samples,
+            [CLAIMANT, "snapkv"],
+            [0.5, 0.75, 0.9],
+            diagnostics=False,
+            progress=progress,
         )
     claim = against_full(rows).assign(length=length)
     stream = json.loads((RESULTS / f"{args.prefix}_stream.json").read_text())

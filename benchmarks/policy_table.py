@@ -23,6 +23,7 @@ from kvsieve.harness.data import sample_documents
 from kvsieve.harness.eval import run_ppl
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import plot_ppl, ppl_markdown, ppl_table
+from kvsieve.harness.runners import LocalRunner
 
 RESULTS = Path(__file__).parent / "results"
 ALLOCATED = ["adaptive", "pyramid", "global", "global:calibration=zscore"]
@@ -47,14 +48,18 @@ def main() -> None:
 
     scorers = [*known_policies(), "window:keykey=true"]
     with progress_bar("stage 1: every scorer, uniform") as progress:
-        stage1 = run_ppl(model, documents, scorers, rates, args.prefix, args.continuation, progress=progress)
+        stage1 = run_ppl(
+            LocalRunner(model), documents, scorers, rates, args.prefix, args.continuation, progress=progress
+        )
     mean_delta = {p: statistics.mean(stage1.row(p, r)["delta_pct"] for r in rates) for p in stage1.policies}
     best = sorted((p for p in mean_delta if p != "random"), key=mean_delta.get)[:3]
     console.print(f"best three by mean delta%: {', '.join(best)}")
 
     combos = [f"{scorer}+{allocator}" for scorer in best for allocator in ALLOCATED]
     with progress_bar("stage 2: best three x allocators") as progress:
-        stage2 = run_ppl(model, documents, combos, rates, args.prefix, args.continuation, progress=progress)
+        stage2 = run_ppl(
+            LocalRunner(model), documents, combos, rates, args.prefix, args.continuation, progress=progress
+        )
 
     report = stage1.to_json()
     report["rows"] += stage2.to_json()["rows"]

@@ -22,6 +22,7 @@ from kvsieve import load_model
 from kvsieve.harness.data import sample_documents
 from kvsieve.harness.eval import run_ppl
 from kvsieve.harness.report import plot_ppl, ppl_markdown, ppl_table
+from kvsieve.harness.runners import LocalRunner
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -43,7 +44,7 @@ def main() -> None:
 
     model, tokenizer = load_model()
     documents = sample_documents(tokenizer, args.docs, args.prefix + args.continuation + 1, seed=args.seed)
-    result = run_ppl(model, documents, policies, rates, args.prefix, args.continuation)
+    result = run_ppl(LocalRunner(model), documents, policies, rates, args.prefix, args.continuation)
     report = result.to_json()
     console.print(ppl_table(report))
 
@@ -51,8 +52,8 @@ def main() -> None:
     timing_docs = documents[: args.timing_docs]
     once, again, identical = [], [], True
     for _ in range(args.timing_repeats):
-        a = run_ppl(model, timing_docs, policies, rates, args.prefix, args.continuation)
-        b = run_ppl(model, timing_docs, policies, rates, args.prefix, args.continuation, reprefill=True)
+        a = run_ppl(LocalRunner(model), timing_docs, policies, rates, args.prefix, args.continuation)
+        b = run_ppl(LocalRunner(model), timing_docs, policies, rates, args.prefix, args.continuation, reprefill=True)
         once.append(a.seconds)
         again.append(b.seconds)
         identical &= all(abs(x - y) < 1e-3 for key in a.nll for x, y in zip(a.nll[key], b.nll[key], strict=True))

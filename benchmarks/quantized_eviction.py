@@ -50,6 +50,7 @@ from kvsieve.harness.eval.streaming import run_streaming, streaming_documents
 from kvsieve.harness.eval.sweep import run_sweep
 from kvsieve.harness.progress import console, progress_bar
 from kvsieve.harness.report import markdown_table
+from kvsieve.harness.runners import LocalRunner
 from kvsieve.runtime.codecs import DEFAULT_RESIDUAL, make_codec
 from kvsieve.selection.architecture import kv_geometry
 from kvsieve.selection.protection import DEFAULT_N_RECENT, DEFAULT_N_SINK
@@ -180,7 +181,7 @@ def stage_ppl(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dic
     cells: dict[tuple[str, float], dict] = {}
     for policies, rates in runs:
         with progress_bar(f"perplexity: {', '.join(policies)}") as progress:
-            result = run_ppl(model, documents, policies, rates, progress=progress)
+            result = run_ppl(LocalRunner(model), documents, policies, rates, progress=progress)
         cells |= {(p, r): result.row(p, r) | {"nll": result.nll[p, r]} for p in policies for r in rates}
     full_bytes = int(np.mean(result.kv_bytes_full))  # every run scores the same full cache
     table = []
@@ -233,7 +234,7 @@ def stage_tasks(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[d
         samples = task_samples(tasks, tokenizer, length=args.length, n=args.samples, seed=0)
         for policies, rates in runs_for(head_dim, tokens):
             with progress_bar(f"{suite}: {', '.join(policies)}") as progress:
-                rows = run_sweep(model, tokenizer, samples, policies, rates, ("agnostic", "aware"),
+                rows = run_sweep(LocalRunner(model, tokenizer), samples, policies, rates, ("agnostic", "aware"),
                                  diagnostics=False, progress=progress)  # fmt: skip
             frames.append(rows.assign(suite=suite))
     rows = pd.concat(frames, ignore_index=True).drop_duplicates(["sample", "mode", "policy", "rate"])
@@ -274,7 +275,9 @@ def stage_stream(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[
     for bits in BITS:
         sizes = sorted({kept for (_, b), kept in budgets.items() if b == bits and kept < args.stream_tokens})
         with progress_bar(f"streaming, {bits} bits") as progress:
-            result = run_streaming(model, documents, [spec(p, bits) for p in POLICIES], sizes, progress=progress)
+            result = run_streaming(
+                LocalRunner(model), documents, [spec(p, bits) for p in POLICIES], sizes, progress=progress
+            )
         full_nll = np.stack(next(r for r in result.runs if r.budget is None).nll)
         for run in (r for r in result.runs if r.budget is not None):
             ours = np.stack(run.nll)[:, args.stream_from :]
@@ -317,7 +320,11 @@ def stage_kvpress(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple
             names = kvpress_contenders(library, bits)
             with progress_bar(f"perplexity, {library}, {bits} bits") as progress:
                 result = run_ppl(
-                    model, documents, list(names.values()), sorted({m.rate for m in todo}), progress=progress
+                    LocalRunner(model),
+                    documents,
+                    list(names.values()),
+                    sorted({m.rate for m in todo}),
+                    progress=progress,
                 )
             full_bytes = int(np.mean(result.kv_bytes_full))
             for mix in todo:

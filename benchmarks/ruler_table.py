@@ -28,6 +28,7 @@ from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table
 from kvsieve.harness.report.figures import plot_accuracy_vs_rate, plot_hallucination_vs_ger
 from kvsieve.harness.report.html import write_report
+from kvsieve.harness.runners import LocalRunner
 
 ROOT = Path(__file__).parent
 RESULTS = ROOT / "results"
@@ -67,7 +68,13 @@ def run_suite(model, tokenizer, suite: str, length: int, modes: tuple[str, ...],
     folder.mkdir(parents=True, exist_ok=True)
     with progress_bar(f"{suite} at {length} tokens") as progress:
         rows = run_sweep(
-            model, tokenizer, samples, args.policies, rates, modes, results=folder / "results.jsonl", progress=progress
+            LocalRunner(model, tokenizer),
+            samples,
+            args.policies,
+            rates,
+            modes,
+            results=folder / "results.jsonl",
+            progress=progress,
         )
     wanted = {(c.name, r) for c in parse_contenders(args.policies) for r in ([0.0] if c.is_full else rates)}
     rows = rows[[(p, r) in wanted for p, r in zip(rows["policy"], rows["rate"], strict=True)]]

@@ -36,6 +36,7 @@ from kvsieve.harness.eval.streaming import (
 )
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table, plot_stream_ppl, stream_markdown
+from kvsieve.harness.runners import LocalRunner
 from kvsieve.runtime.growth import DEFAULT_BUFFER
 
 RESULTS = Path(__file__).parent / "results"
@@ -158,7 +159,7 @@ def main() -> None:
     start = time.perf_counter()
     with progress_bar("streaming perplexity") as progress:
         result = run_streaming(
-            model,
+            LocalRunner(model),
             documents,
             contenders,
             _ints(args.budgets),

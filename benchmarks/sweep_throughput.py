@@ -24,6 +24,7 @@ from kvsieve import load_model
 from kvsieve.harness.data.suites import task_samples
 from kvsieve.harness.eval.sweep import run_sweep
 from kvsieve.harness.report import markdown_table
+from kvsieve.harness.runners import LocalRunner
 
 RESULTS = Path(__file__).parent / "results"
 POLICIES = "snapkv,expected,importance,h2o,tova,knorm,streaming,random"
@@ -53,10 +54,10 @@ def main() -> None:
     configurations = 0
     for sample in samples:
         start = time.perf_counter()
-        once = run_sweep(model, tokenizer, [sample], POLICIES, RATES)
+        once = run_sweep(LocalRunner(model, tokenizer), [sample], POLICIES, RATES)
         seconds["prefill once"].append(time.perf_counter() - start)
         start = time.perf_counter()
-        again = run_sweep(model, tokenizer, [sample], POLICIES, RATES, reprefill=True)
+        again = run_sweep(LocalRunner(model, tokenizer), [sample], POLICIES, RATES, reprefill=True)
         seconds["re-prefill"].append(time.perf_counter() - start)
         # the same answers either way: only the time differs
         assert (again["output"].to_numpy() == once["output"].to_numpy()).all()

@@ -19,6 +19,7 @@ from kvsieve.harness.eval.margins import margins
 from kvsieve.harness.eval.methods import Case, reseeded
 from kvsieve.harness.eval.routing import survival_from_cache
 from kvsieve.harness.eval.sweep import sample_key
+from kvsieve.harness.runners import LocalRunner
 from kvsieve.runtime.evictions import Eviction, evictions
 from kvsieve.runtime.prefill import observe_prefill
 from kvsieve.selection.observation import Needs
@@ -176,7 +177,9 @@ def test_routed_equals_eager_attention_of_the_last_query(lm, tok):
 def test_diagnostic_rows_equal_direct_compress_and_margins(lm, tok, tmp_path):
     sample = replace(make_sample(1, "7654321"), candidates=(" 1234567", " 5555555"))
     path = tmp_path / "d.jsonl"
-    rows = run_diagnostic(lm, tok, [sample], ["snapkv", "random"], [0.6], ("agnostic", "aware"), results=path)
+    rows = run_diagnostic(
+        LocalRunner(lm, tok), [sample], ["snapkv", "random"], [0.6], ("agnostic", "aware"), results=path
+    )
     methods = diagnostic_methods([ATTENTION_MASS, "snapkv", "random"], Contract())
     assert len(rows) == 2 * (1 + len(methods))
     encoded = encode(sample, tok)
@@ -201,7 +204,9 @@ def test_diagnostic_rows_equal_direct_compress_and_margins(lm, tok, tmp_path):
         elif row.failure == "broken":
             assert not row.missed and row.completed_margin > 0
     # resuming: nothing left to do, nothing appended
-    again = run_diagnostic(lm, tok, [sample], ["snapkv", "random"], [0.6], ("agnostic", "aware"), results=path)
+    again = run_diagnostic(
+        LocalRunner(lm, tok), [sample], ["snapkv", "random"], [0.6], ("agnostic", "aware"), results=path
+    )
     assert len(again) == len(rows) and len(path.read_text().splitlines()) == len(rows)
     assert set(rows["sample"]) == {sample_key(sample)}
 
@@ -210,7 +215,7 @@ def test_diagnostic_rows_equal_direct_compress_and_margins(lm, tok, tmp_path):
 def test_misscored_check_is_the_forced_variant_margin(lm, tok):
     """The recorded mis-scoring check equals building the forced variant directly and scoring it."""
     sample = make_sample(0)
-    rows = run_diagnostic(lm, tok, [sample], ["knorm", "random"], [0.9], ("agnostic",))
+    rows = run_diagnostic(LocalRunner(lm, tok), [sample], ["knorm", "random"], [0.9], ("agnostic",))
     checked = rows[rows["misscored_margin"].notna()]
     encoded = encode(sample, tok)
     prompt = torch.cat([encoded.context_ids, encoded.question_ids], -1)

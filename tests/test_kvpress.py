@@ -14,6 +14,7 @@ import kvsieve
 from conftest import tiny_llama
 from kvsieve.harness.compare import KVPRESS_PRESSES, import_kvpress, kvpress_compress, kvpress_ratio, make_press
 from kvsieve.harness.compare.kvpress import PrunedLayer
+from kvsieve.harness.runners import LocalRunner
 from kvsieve.runtime.attention import ATTENTION_NAME, register_sieve_attention, sieve_attention_forward
 from kvsieve.selection.budget import uniform_keep
 
@@ -348,7 +349,7 @@ def test_the_perplexity_protocol_runs_a_quantized_press():
     model = tiny_llama(seed=5)
     documents = [(f"doc{i}", _ids(89, seed=10 + i)) for i in range(2)]
     spec = "kvpress:knorm:kv_bits=4"
-    result = run_ppl(model, documents, [spec, "knorm"], [0.5], 64, 24)
+    result = run_ppl(LocalRunner(model), documents, [spec, "knorm"], [0.5], 64, 24)
     for row, (_, ids) in enumerate(documents):
         pressed = kvpress_compress(model, ids[:, :64], "knorm", 0.5, kv_bits=4)
         logits = pressed.forward(model, ids[:, 64:88])[0]

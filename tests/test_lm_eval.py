@@ -15,6 +15,7 @@ from lm_eval.api.registry import get_model
 import kvsieve
 from kvsieve.harness.eval.streaming import run_streaming
 from kvsieve.harness.lmeval import KVSieveLM
+from kvsieve.harness.runners import LocalRunner
 from kvsieve.selection.errors import PolicyError
 
 CONTEXT = "The quick brown fox jumps over the lazy dog. The grass is green. The sky is blue. " * 3
@@ -173,7 +174,7 @@ def test_rolling_loglikelihood_is_the_streaming_protocol(model_dir):
     bounded = _lm(model_dir, policy="snapkv", max_tokens=48, buffer=8)
     total = bounded.loglikelihood_rolling(_requests("loglikelihood_rolling", [(text,)]))[0]
     ids = torch.tensor([[bounded.prefix_token_id, *bounded.tokenizer(text, add_special_tokens=False).input_ids]])
-    protocol = run_streaming(bounded.model, [("text", ids)], "snapkv", budgets=[48], buffer=8)
+    protocol = run_streaming(LocalRunner(bounded.model), [("text", ids)], "snapkv", budgets=[48], buffer=8)
     run = next(r for r in protocol.runs if r.budget == 48)
     assert total == pytest.approx(-float(np.nansum(run.nll[0])), abs=1e-6)
     # the full cache: a plain forward of the whole document

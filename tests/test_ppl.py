@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvsieve.harness.eval import bootstrap_delta_ci, pooled_delta_pct, run_ppl
+from kvsieve.harness.runners import LocalRunner
 
 PREFIX, CONT = 64, 24
 
@@ -25,7 +26,7 @@ def test_full_cache_nll_equals_plain_forward(model, documents):
     for _, ids in documents:
         logits = model(ids).logits[0]
         expected.append(float(F.cross_entropy(logits[PREFIX:-1], ids[0, PREFIX + 1 :], reduction="sum")))
-    result = run_ppl(model, documents, ["importance"], [0.0], PREFIX, CONT)
+    result = run_ppl(LocalRunner(model), documents, ["importance"], [0.0], PREFIX, CONT)
     np.testing.assert_allclose(result.nll_full, expected, rtol=1e-5)
     # rate 0 evicts nothing: same numbers as the full cache
     np.testing.assert_allclose(result.nll["importance", 0.0], expected, rtol=1e-5)
@@ -34,8 +35,8 @@ def test_full_cache_nll_equals_plain_forward(model, documents):
 @torch.no_grad()
 def test_prefill_once_equals_reprefill(model, documents):
     policies, rates = ["importance", "random", "knorm"], [0.5, 0.9]
-    once = run_ppl(model, documents, policies, rates, PREFIX, CONT)
-    again = run_ppl(model, documents, policies, rates, PREFIX, CONT, reprefill=True)
+    once = run_ppl(LocalRunner(model), documents, policies, rates, PREFIX, CONT)
+    again = run_ppl(LocalRunner(model), documents, policies, rates, PREFIX, CONT, reprefill=True)
     assert once.nll.keys() == again.nll.keys()
     for key in once.nll:
         np.testing.assert_allclose(once.nll[key], again.nll[key], rtol=1e-6)
@@ -46,8 +47,8 @@ def test_prefill_once_equals_reprefill(model, documents):
 def test_batched_rows_equal_one_row_at_a_time(model, documents):
     """Feeding a document's configurations as rows of one batch gives the nll of feeding them one by one."""
     policies, rates = ["importance", "random", "knorm"], [0.5, 0.9]  # 7 configurations: batches of 4 and 3
-    single = run_ppl(model, documents, policies, rates, PREFIX, CONT, rows_per_pass=1)
-    batched = run_ppl(model, documents, policies, rates, PREFIX, CONT, rows_per_pass=4)
+    single = run_ppl(LocalRunner(model), documents, policies, rates, PREFIX, CONT, rows_per_pass=1)
+    batched = run_ppl(LocalRunner(model), documents, policies, rates, PREFIX, CONT, rows_per_pass=4)
     np.testing.assert_allclose(batched.nll_full, single.nll_full, rtol=1e-4)
     assert batched.nll.keys() == single.nll.keys() == {(p, r) for p in policies for r in rates}
     for key in single.nll:
@@ -60,7 +61,7 @@ def test_batched_rows_equal_one_row_at_a_time(model, documents):
 
 @torch.no_grad()
 def test_report_rows(model, documents):
-    result = run_ppl(model, documents, ["importance", "random"], [0.5, 0.9], PREFIX, CONT)
+    result = run_ppl(LocalRunner(model), documents, ["importance", "random"], [0.5, 0.9], PREFIX, CONT)
     report = result.to_json()
     assert report["docs"] == 3 and report["tokens"] == 3 * CONT
     assert {"full_ppl", "docs", "tokens", "rows"} <= report.keys()
@@ -74,13 +75,13 @@ def test_report_rows(model, documents):
 
 
 def test_random_policy_draws_per_document(model, documents):
-    result = run_ppl(model, documents[:2], ["random"], [0.5], PREFIX, CONT)
+    result = run_ppl(LocalRunner(model), documents[:2], ["random"], [0.5], PREFIX, CONT)
     assert result.nll["random", 0.5][0] != result.nll["random", 0.5][1]
 
 
 def test_document_too_short(model, documents):
     with pytest.raises(ValueError, match="needs 89"):
-        run_ppl(model, [("short", documents[0][1][:, :50])], ["importance"], [0.5], PREFIX, CONT)
+        run_ppl(LocalRunner(model), [("short", documents[0][1][:, :50])], ["importance"], [0.5], PREFIX, CONT)
 
 
 def test_pooled_delta_and_bootstrap():

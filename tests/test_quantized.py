@@ -7,6 +7,7 @@ import torch
 
 import kvsieve
 from conftest import tiny_gemma3, tiny_llama
+from kvsieve.harness.runners import LocalRunner
 from kvsieve.runtime.codecs import DEFAULT_RESIDUAL, FULL_PRECISION, Quantized, make_codec
 from kvsieve.runtime.segments import BLOCK
 from kvsieve.selection.errors import PolicyError
@@ -288,7 +289,7 @@ def test_the_perplexity_protocol_reads_the_quantized_cache(model):
     gen = torch.Generator().manual_seed(5)
     documents = [(f"doc{i}", torch.randint(0, 128, (1, 89), generator=gen)) for i in range(2)]
     spec = f"snapkv:kv_bits=4,kv_group={GROUP}"
-    result = run_ppl(model, documents, [spec, "snapkv"], [0.5], 64, 24)
+    result = run_ppl(LocalRunner(model), documents, [spec, "snapkv"], [0.5], 64, 24)
     for row, (_, ids) in enumerate(documents):
         cache = kvsieve.compress(model, ids[:, :64], "snapkv", 0.5, kv_bits=4, kv_group=GROUP)
         kv_bytes = cache.nbytes()
@@ -306,8 +307,8 @@ def test_a_sweep_evicts_every_storage_from_one_prefill(lm, tok):
     from test_sweep import make_sample
 
     names = ["snapkv", f"snapkv:kv_bits=8,kv_group={GROUP}", f"snapkv:kv_bits=2,kv_group={GROUP}"]
-    rows = run_sweep(lm, tok, [make_sample(0)], names, [0.5], modes=("agnostic",))
-    one = run_sweep(lm, tok, [make_sample(0)], names, [0.5], modes=("agnostic",), rows_per_pass=1)
+    rows = run_sweep(LocalRunner(lm, tok), [make_sample(0)], names, [0.5], modes=("agnostic",))
+    one = run_sweep(LocalRunner(lm, tok), [make_sample(0)], names, [0.5], modes=("agnostic",), rows_per_pass=1)
     assert rows["prefill_seconds"].nunique() == 1, "one prefill served every storage"
     by_policy = rows.set_index("policy")
     assert by_policy.loc[names, "kept_entries"].nunique() == 1, "the same entries, stored three ways"

@@ -16,6 +16,7 @@ from kvsieve.harness.eval.results_log import read_rows
 from kvsieve.harness.eval.results_table import read_results, table_path, write_table
 from kvsieve.harness.report.diagnostic_page import load_diagnostic
 from kvsieve.harness.report.html import RESULTS_FILE, load_results
+from kvsieve.harness.runners import LocalRunner
 from test_sweep import make_sample
 
 
@@ -37,7 +38,9 @@ def _same_rows(table: pd.DataFrame, rows: list[dict]) -> None:
 @torch.no_grad()
 def test_a_sweep_writes_its_rows_as_parquet_and_the_report_reads_them(lm, tok, tmp_path):
     log = tmp_path / RESULTS_FILE
-    rows = run_sweep(lm, tok, [make_sample(0)], "snapkv,kvpress:knorm", [0.5], ("agnostic", "aware"), results=log)
+    rows = run_sweep(
+        LocalRunner(lm, tok), [make_sample(0)], "snapkv,kvpress:knorm", [0.5], ("agnostic", "aware"), results=log
+    )
     assert table_path(log) == tmp_path / "results.parquet" and table_path(log).exists()
     table = pd.read_parquet(table_path(log))
     _same_rows(table, read_rows(log))
@@ -52,7 +55,7 @@ def test_a_sweep_writes_its_rows_as_parquet_and_the_report_reads_them(lm, tok, t
     os.utime(log, (later, later))
     assert len(load_results(tmp_path)) == 7 and "by hand" in set(load_results(tmp_path)["sample"])
     # a resumed run with nothing to do writes the table again: every row, the hand-made one included
-    run_sweep(lm, tok, [make_sample(0)], "snapkv,kvpress:knorm", [0.5], ("agnostic", "aware"), results=log)
+    run_sweep(LocalRunner(lm, tok), [make_sample(0)], "snapkv,kvpress:knorm", [0.5], ("agnostic", "aware"), results=log)
     _same_rows(pd.read_parquet(table_path(log)), read_rows(log))
 
 
@@ -60,7 +63,7 @@ def test_a_sweep_writes_its_rows_as_parquet_and_the_report_reads_them(lm, tok, t
 def test_a_diagnostic_writes_its_rows_as_parquet(lm, tok, tmp_path):
     sample = replace(make_sample(1, "7654321"), candidates=(" 1234567", " 5555555"))
     log = tmp_path / "diagnostic.jsonl"
-    run_diagnostic(lm, tok, [sample], ["snapkv"], [0.6], ("agnostic",), results=log)
+    run_diagnostic(LocalRunner(lm, tok), [sample], ["snapkv"], [0.6], ("agnostic",), results=log)
     _same_rows(load_diagnostic(tmp_path), read_rows(log))
     assert table_path(log).exists()
 

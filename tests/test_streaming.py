@@ -25,6 +25,7 @@ from kvsieve.harness.eval.streaming import (
 )
 from kvsieve.harness.eval.streams import CacheSize, feed_stream, sieved_size
 from kvsieve.harness.report import plot_stream_ppl, stream_markdown
+from kvsieve.harness.runners import LocalRunner
 from tokenizer import tiny_tokenizer
 
 runner = CliRunner(env={"COLUMNS": "250"})  # rich must not wrap an error message inside its box
@@ -119,7 +120,7 @@ def test_the_cache_never_exceeds_budget_plus_buffer(model):
 def test_full_cache_streaming_equals_one_plain_forward_within_the_context(model):
     docs, limit = _docs(3, 64), 40
     model.config.max_position_embeddings = limit  # the full cache is fed up to here
-    result = run_streaming(model, docs, [], [16], buffer=8, bucket=16, rows_per_pass=2)
+    result = run_streaming(LocalRunner(model), docs, [], [16], buffer=8, bucket=16, rows_per_pass=2)
     nll = np.stack(result.full.nll)
     for row, (_, ids) in enumerate(docs):
         logits = model(ids[:, :limit]).logits[0]
@@ -163,15 +164,15 @@ def test_kvpress_stream_equals_kvsieve_with_its_protection(model, policy, press)
 def test_plan_errors(model):
     docs = _docs(2, 64)
     with pytest.raises(ValueError, match="one length"):
-        plan_streaming(model, [docs[0], ("short", docs[1][1][:, :50])], [], [16])
+        plan_streaming(LocalRunner(model), [docs[0], ("short", docs[1][1][:, :50])], [], [16])
     with pytest.raises(ValueError, match="leaves nothing to score"):
-        plan_streaming(model, docs, [], [64])
+        plan_streaming(LocalRunner(model), docs, [], [64])
     with pytest.raises(kvsieve.PolicyError, match="max_tokens=16 is smaller than the 33 protected entries"):
-        plan_streaming(model, docs, ["random", "streaming"], [16, 48], buffer=8)
+        plan_streaming(LocalRunner(model), docs, ["random", "streaming"], [16, 48], buffer=8)
     with pytest.raises(ValueError, match="not run on streams"):
-        plan_streaming(model, docs, ["kvpress:observed_attention"], [40], buffer=8)
+        plan_streaming(LocalRunner(model), docs, ["kvpress:observed_attention"], [40], buffer=8)
     with pytest.raises(ValueError, match="use chunks longer"):
-        plan_streaming(model, docs, ["kvpress:snapkv"], [40], buffer=32)
+        plan_streaming(LocalRunner(model), docs, ["kvpress:snapkv"], [40], buffer=32)
 
 
 def test_documents_have_the_asked_length(tmp_path):

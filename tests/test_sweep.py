@@ -16,6 +16,7 @@ from kvsieve.harness.eval.contenders import parse_contenders
 from kvsieve.harness.eval.respond import respond
 from kvsieve.harness.eval.results_log import read_rows
 from kvsieve.harness.eval.sweep import run_sweep, sample_key, split_prompt
+from kvsieve.harness.runners import LocalRunner
 from kvsieve.selection.errors import PolicyError
 
 FILLER = "The grass is green. The sky is blue. Here we go. There and back again. "
@@ -106,7 +107,7 @@ def test_parse_contenders():
 @torch.no_grad()
 def test_sweep_rows_match_direct_compression(lm, tok, tmp_path):
     samples = [make_sample(0), make_sample(1, "7654321")]
-    rows = run_sweep(lm, tok, samples, "snapkv,random", [0.5, 0.9], results=tmp_path / "r.jsonl")
+    rows = run_sweep(LocalRunner(lm, tok), samples, "snapkv,random", [0.5, 0.9], results=tmp_path / "r.jsonl")
     assert len(rows) == 2 * (1 + 2 * 2)
     by = {(r.index, r.policy, r.rate): r for r in rows.itertuples()}
     for index, sample in enumerate(samples):
@@ -137,8 +138,8 @@ def test_batched_sweep_equals_one_configuration_at_a_time(lm, tok):
     """Answering a sample's kvsieve configurations as one batch gives the rows of answering them one by one."""
     samples = [make_sample(0), make_sample(1, "7654321")]
     policies, rates, modes = "snapkv,knorm,random,importance", [0.5, 0.9], ("agnostic", "aware")
-    batched = run_sweep(lm, tok, samples, policies, rates, modes=modes)
-    single = run_sweep(lm, tok, samples, policies, rates, modes=modes, rows_per_pass=1)
+    batched = run_sweep(LocalRunner(lm, tok), samples, policies, rates, modes=modes)
+    single = run_sweep(LocalRunner(lm, tok), samples, policies, rates, modes=modes, rows_per_pass=1)
     assert len(batched) == len(single) == 2 * 2 * (1 + 4 * 2)
     key = ["sample", "mode", "policy", "rate"]
     batched, single = batched.set_index(key).sort_index(), single.set_index(key).sort_index()
@@ -156,19 +157,21 @@ def test_batched_sweep_equals_one_configuration_at_a_time(lm, tok):
 def test_sweep_resumes_where_it_stopped(lm, tok, tmp_path):
     path = tmp_path / "results.jsonl"
     samples = [make_sample(0), make_sample(1, "7654321")]
-    first = run_sweep(lm, tok, samples[:1], "random", [0.5], results=path)
+    first = run_sweep(LocalRunner(lm, tok), samples[:1], "random", [0.5], results=path)
     assert len(first) == 2 and len(read_rows(path)) == 2
     # an interrupted write leaves half a line: it is dropped and that configuration runs again
     lines = path.read_text().splitlines()
     path.write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])
     seen = []
-    again = run_sweep(lm, tok, samples, "random", [0.5], results=path, progress=lambda d, t: seen.append((d, t)))
+    again = run_sweep(
+        LocalRunner(lm, tok), samples, "random", [0.5], results=path, progress=lambda d, t: seen.append((d, t))
+    )
     assert len(again) == 4
     assert seen[0] == (1, 4) and seen[-1] == (4, 4)  # one row was already done
     keys = [(r["sample"], r["policy"]) for r in read_rows(path)]
     assert len(keys) == len(set(keys)) == 4
     # nothing left to do: no prefill, no new row
-    third = run_sweep(lm, tok, samples, "random", [0.5], results=path)
+    third = run_sweep(LocalRunner(lm, tok), samples, "random", [0.5], results=path)
     assert len(third) == 4 and len(path.read_text().splitlines()) == 5  # 4 rows + the broken half line
     assert json.loads(path.read_text().splitlines()[0])["policy"] == "full"
 
@@ -176,7 +179,7 @@ def test_sweep_resumes_where_it_stopped(lm, tok, tmp_path):
 @torch.no_grad()
 def test_question_aware_protects_the_question_and_evicts_as_many(lm, tok):
     sample = make_sample(0)
-    rows = run_sweep(lm, tok, [sample], "snapkv", [0.8], modes=("agnostic", "aware"))
+    rows = run_sweep(LocalRunner(lm, tok), [sample], "snapkv", [0.8], modes=("agnostic", "aware"))
     by = {(r.mode, r.policy): r for r in rows.itertuples()}
     encoded = encode(sample, tok)
     q = encoded.question_ids.shape[1]
@@ -188,9 +191,9 @@ def test_question_aware_protects_the_question_and_evicts_as_many(lm, tok):
 
 def test_sweep_rejects_bad_input(lm, tok):
     with pytest.raises(ValueError, match="unknown mode"):
-        run_sweep(lm, tok, [make_sample(0)], "random", [0.5], modes=("sideways",))
+        run_sweep(LocalRunner(lm, tok), [make_sample(0)], "random", [0.5], modes=("sideways",))
     with pytest.raises(PolicyError, match=r"\[0, 1\)"):
-        run_sweep(lm, tok, [make_sample(0)], "random", [1.0])
+        run_sweep(LocalRunner(lm, tok), [make_sample(0)], "random", [1.0])
 
 
 @torch.no_grad()
@@ -210,7 +213,7 @@ def test_respond_in_chunks_is_exact(lm, tok):
 def test_sweep_runs_kvpress_side_by_side(lm, tok):
     sample = make_sample(0)
     policies = "snapkv,kvpress:snapkv,kvpress:adakv_expected_attention"
-    rows = run_sweep(lm, tok, [sample], policies, [0.6])
+    rows = run_sweep(LocalRunner(lm, tok), [sample], policies, [0.6])
     by = {r.policy: r for r in rows.itertuples()}
     assert by["kvpress:snapkv"].library == by["kvpress:adakv_expected_attention"].library == "kvpress"
     # same number of entries at one rate; kvpress's AdaKV only masks, so it holds every byte
@@ -223,15 +226,18 @@ def test_sweep_runs_kvpress_side_by_side(lm, tok):
     assert all(math.isfinite(r.gold_logprob) for r in rows.itertuples())
     # kvsieve still works on the same model afterwards
     assert (
-        run_sweep(lm, tok, [sample], "snapkv", [0.6]).set_index("policy").loc["snapkv", "output"] == by["snapkv"].output
+        run_sweep(LocalRunner(lm, tok), [sample], "snapkv", [0.6]).set_index("policy").loc["snapkv", "output"]
+        == by["snapkv"].output
     )
 
 
 @torch.no_grad()
 def test_reprefill_gives_the_same_rows(lm, tok):
     samples = [make_sample(0)]
-    once = run_sweep(lm, tok, samples, "snapkv,importance", [0.5, 0.9]).set_index(["policy", "rate"])
-    again = run_sweep(lm, tok, samples, "snapkv,importance", [0.5, 0.9], reprefill=True).set_index(["policy", "rate"])
+    once = run_sweep(LocalRunner(lm, tok), samples, "snapkv,importance", [0.5, 0.9]).set_index(["policy", "rate"])
+    again = run_sweep(LocalRunner(lm, tok), samples, "snapkv,importance", [0.5, 0.9], reprefill=True).set_index(
+        ["policy", "rate"]
+    )
     assert list(once.index) == list(again.index)
     assert (once["output"] == again["output"]).all() and (once["kv_bytes"] == again["kv_bytes"]).all()
     assert once["gold_logprob"].to_numpy() == pytest.approx(again["gold_logprob"].to_numpy(), rel=1e-6)

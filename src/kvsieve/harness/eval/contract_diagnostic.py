@@ -28,17 +28,19 @@ import torch
 
 from ...selection.budget import check_rate
 from ...selection.checkpoint import shipped_gates_for
+from ...selection.observation import Needs
 from ...selection.policy import Policy
 from ...selection.scorers import CAOTEScorer, ImportanceScorer
 from ...selection.spec import make_policy
 from ..data.sample import EncodedSample, TaskSample, encode
 from ..progress import ProgressCallback
+from ..runners import Runner
 from .answers import judge
 from .attribution import attribute, missed_evidence, routed, span_states
 from .forced import ForcedSlots
+from .logged_cells import run_logged
 from .methods import FULL, CacheMethod, Case, Compressed, FullCache, KvsievePolicy, build
 from .results_log import ResultsLog
-from .results_table import write_table
 from .routing import evidence_recall, global_eviction_ratio
 from .sweep import check_modes, prefill_needs, row_key, sample_case, sample_header, sample_key, split_prompt
 
@@ -214,36 +216,58 @@ def _case_rows(
     return rows
 
 
-def _run_case(
-    model: torch.nn.Module,
-    tokenizer: Any,
-    encoded: EncodedSample,
-    mode: str,
-    case: Case,
-    methods: dict[str, Entry],
-    rates: Sequence[float],
-    log: ResultsLog,
-) -> None:
-    """Every configuration of one case the log does not hold yet: the full cache first, then rate by rate."""
-    key, full = sample_key(encoded.sample), FullCache()
-    header = sample_header(encoded, mode)
-    if (key, mode, full.name, 0.0) not in log:
-        for row in _case_rows(model, tokenizer, encoded, mode, case, [(full, 0.0)], None, True):
-            log.append({**header, "scalar": False, "fix": "", **row})
-    full_margin = next(r["margin"] for r in log.rows if row_key(r) == (key, mode, full.name, 0.0))
-    for rate in rates:
-        todo = [e for name, e in methods.items() if (key, mode, name, rate) not in log]
-        for answer in (True, False):  # fixes are answered (accuracy); the other scalars need margins only
-            group = [(e.method, rate) for e in todo if bool(e.fix) == answer]
-            if group:
-                for row in _case_rows(model, tokenizer, encoded, mode, case, group, full_margin, answer):
-                    entry = methods[row["policy"]]
-                    log.append({**header, "scalar": entry.scalar, "fix": entry.fix, **row})
+@dataclass(frozen=True)
+class DiagnosticCell:
+    """A case (a sample in one mode), the configurations (name, rate) it still needs, and its full-cache margin
+    when the log already holds it (None: the full cache runs first)."""
+
+    sample: TaskSample
+    mode: str
+    todo: frozenset[tuple[str, float]]
+    full_margin: float | None
+
+    @property
+    def size(self) -> int:
+        return len(self.todo)
+
+
+@dataclass(frozen=True)
+class DiagnosticWork:
+    """One case of the diagnostic: the full cache first, then rate by rate (answered fixes, then margin-only
+    scalars)."""
+
+    methods: dict[str, Entry]
+    rates: tuple[float, ...]
+    needs: Needs
+    chat: bool | None
+
+    def __call__(self, model: torch.nn.Module, tokenizer: Any, cell: DiagnosticCell) -> list[dict[str, Any]]:
+        encoded = encode(cell.sample, tokenizer, self.chat).to(model.device)
+        case = sample_case(encoded, cell.mode, self.needs, tokenizer)
+        header, full, out = sample_header(encoded, cell.mode), FullCache(), []
+        full_margin = cell.full_margin
+        if full_margin is None:
+            rows = _case_rows(model, tokenizer, encoded, cell.mode, case, [(full, 0.0)], None, True)
+            out += [{**header, "scalar": False, "fix": "", **row} for row in rows]
+            full_margin = rows[0]["margin"]
+        for rate in self.rates:
+            todo = [e for name, e in self.methods.items() if (name, rate) in cell.todo]
+            for answer in (True, False):  # fixes are answered (accuracy); the other scalars need margins only
+                group = [(e.method, rate) for e in todo if bool(e.fix) == answer]
+                if group:
+                    for row in _case_rows(model, tokenizer, encoded, cell.mode, case, group, full_margin, answer):
+                        entry = self.methods[row["policy"]]
+                        out.append({**header, "scalar": entry.scalar, "fix": entry.fix, **row})
+        return out
+
+
+def _full_margin(log: ResultsLog, key: str, mode: str) -> float | None:
+    """The full cache's margin on a case, if the log holds it."""
+    return next((r["margin"] for r in log.rows if row_key(r) == (key, mode, FULL, 0.0)), None)
 
 
 def run_diagnostic(
-    model: torch.nn.Module,
-    tokenizer: Any,
+    runner: Runner,
     samples: Sequence[TaskSample],
     scalars: Sequence[str] = SCALARS,
     rates: Sequence[float] = (0.5, 0.75, 0.9),
@@ -257,6 +281,7 @@ def run_diagnostic(
     """Run the diagnostic (module doc) on every sample, mode and rate; one row per configuration.
 
     Args:
+        runner: where the cases run (`runners.LocalRunner(model, tokenizer)`, or a `RayRunner`).
         scalars: ranking scalars swapped into the contract (``importance`` is always included).
         rates: eviction rates in [0, 1). modes: ``"agnostic"`` and/or ``"aware"``.
         contract: what stays fixed. results: a JSONL file (a rerun resumes; a Parquet table beside it when
@@ -268,22 +293,13 @@ def run_diagnostic(
     needs = prefill_needs([e.method for e in methods.values()], diagnostics=True) | SWAP_OUT.needs
     log = ResultsLog(results, row_key)
     grid = [(FULL, 0.0)] + [(name, rate) for rate in rates for name in methods]
-    total = len(samples) * len(modes) * len(grid)
-    done = sum((sample_key(s), m, n, r) in log for s in samples for m in modes for n, r in grid)
-    if progress:
-        progress(done, total)
+    cells = []
     for sample in samples:
-        encoded = None
+        key = sample_key(sample)
         for mode in modes:
-            todo = sum((sample_key(sample), mode, n, r) not in log for n, r in grid)
-            if not todo:
-                continue
-            encoded = encoded or encode(sample, tokenizer, chat).to(model.device)
-            case = sample_case(encoded, mode, needs, tokenizer)
-            _run_case(model, tokenizer, encoded, mode, case, methods, rates, log)
-            done += todo
-            if progress:
-                progress(done, total)
-    if log.path:
-        write_table(log.rows, log.path)
+            todo = frozenset((n, r) for n, r in grid if (key, mode, n, r) not in log)
+            if todo:
+                cells.append(DiagnosticCell(sample, mode, todo, _full_margin(log, key, mode)))
+    work = DiagnosticWork(methods, tuple(rates), needs, chat)
+    run_logged(runner, work, cells, log, len(samples) * len(modes) * len(grid), progress)
     return pd.DataFrame(log.rows)

@@ -26,11 +26,10 @@ from ...selection.budget import check_rate
 from ...selection.observation import Needs
 from ...selection.policy import Policy
 from ..progress import ProgressCallback
+from ..runners import Runner
 from .contenders import contender
-from .methods import Case, FullCache, build, passes
+from .methods import Case, Configuration, FullCache, build, passes
 from .stats import bootstrap_delta_ci, pooled_delta_pct, pooled_ppl
-
-#: Called after each (document, configuration) with (done, total).
 
 #: Configurations fed together as rows of one batch (one prefill, many evictions).
 PPL_ROWS_PER_PASS = 4
@@ -90,8 +89,62 @@ class PplResult:
         }
 
 
+@dataclass(frozen=True)
+class PplDocument:
+    """A document of the protocol: its index (the seed of random policies) and ids (`prefix + continuation + 1`)."""
+
+    index: int
+    ids: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PplScores:
+    """A document through every configuration (in their order): NLL sum and cache bytes each; seconds per stage."""
+
+    nll: list[float]
+    kv_bytes: list[int]
+    seconds: dict[str, float]
+
+
+@dataclass(frozen=True)
+class PplWork:
+    """One document: prefill it once, then evict and feed the continuation, `rows_per_pass` configurations a batch."""
+
+    configurations: list[Configuration]
+    needs: Needs
+    prefix: int
+    continuation: int
+    rows_per_pass: int
+    reprefill: bool
+
+    def __call__(self, model: torch.nn.Module, tokenizer: Any, document: PplDocument) -> PplScores:
+        ids = document.ids.to(model.device)
+        case = Case(ids[:, : self.prefix], self.prefix, document.index, self.needs)
+        timers = {"prefill": 0.0, "evict": 0.0, "continuation": 0.0}
+
+        @contextmanager
+        def timed(stage: str) -> Iterator[None]:
+            tick = time.perf_counter()
+            yield
+            timers[stage] += time.perf_counter() - tick
+
+        scores: dict[tuple[str, float], tuple[float, int]] = {}
+        for batch in passes(self.configurations, 1 if self.reprefill else self.rows_per_pass):
+            case = case.fresh() if self.reprefill else case
+            with timed("prefill"):
+                case.prefill(model)
+            with timed("evict"):
+                compressed = build(model, case, batch)
+            with timed("continuation"):
+                nll = compressed.continuation_nll(model, ids[:, self.prefix : self.prefix + self.continuation + 1])
+            for (method, rate), value, kv_bytes in zip(batch, nll, compressed.kv_bytes, strict=True):
+                scores[method.name, rate] = value, kv_bytes
+        ordered = [scores[method.name, rate] for method, rate in self.configurations]  # passes group by builder
+        return PplScores([nll for nll, _ in ordered], [kv_bytes for _, kv_bytes in ordered], timers)
+
+
 def run_ppl(
-    model: torch.nn.Module,
+    runner: Runner,
     documents: Sequence[tuple[str, torch.Tensor]],
     policies: Sequence[str | Policy],
     rates: Sequence[float],
@@ -102,7 +155,7 @@ def run_ppl(
     reprefill: bool = False,
     progress: ProgressCallback | None = None,
 ) -> PplResult:
-    """Run the perplexity protocol.
+    """Run the perplexity protocol, a document per cell of `runner` (`runners.LocalRunner(model)`, or a `RayRunner`).
 
     Args:
         rows_per_pass: configurations fed together as one batch (1: one at a time).
@@ -121,38 +174,22 @@ def run_ppl(
         raise ValueError(f"policy names must be distinct, got {names}")
     needs = functools.reduce(operator.or_, (m.needs for m in methods), Needs())
     result = PplResult(names, list(rates), prefix, continuation, [name for name, _ in documents])
-    timers = {"prefill": 0.0, "evict": 0.0, "continuation": 0.0}
-
-    @contextmanager
-    def timed(stage: str) -> Iterator[None]:
-        tick = time.perf_counter()
-        yield
-        timers[stage] += time.perf_counter() - tick
-
     # in order of rate: a batch is read padded to its widest row, so rows of a batch should be alike
     configurations = [(FullCache(), 0.0), *sorted(((m, r) for m in methods for r in rates), key=lambda c: c[1])]
-    total, done = len(documents) * len(configurations), 0
-    start = time.perf_counter()
-    for doc_index, (_, ids) in enumerate(documents):
-        ids = ids.to(model.device)
-        case = Case(ids[:, :prefix], prefix, doc_index, needs)
-        for batch in passes(configurations, 1 if reprefill else rows_per_pass):
-            case = case.fresh() if reprefill else case
-            with timed("prefill"):
-                case.prefill(model)
-            with timed("evict"):
-                compressed = build(model, case, batch)
-            with timed("continuation"):
-                nll = compressed.continuation_nll(model, ids[:, prefix : prefix + continuation + 1])
-            for (method, rate), value, kv_bytes in zip(batch, nll, compressed.kv_bytes, strict=True):
-                if method.is_full:
-                    result.nll_full.append(value)
-                    result.kv_bytes_full.append(kv_bytes)
-                else:
-                    result.nll.setdefault((method.name, rate), []).append(value)
-                    result.kv_bytes.setdefault((method.name, rate), []).append(kv_bytes)
-            done += len(batch)
-            if progress:
-                progress(done, total)
+    work = PplWork(configurations, needs, prefix, continuation, rows_per_pass, reprefill)
+    cells = [PplDocument(i, ids.cpu()) for i, (_, ids) in enumerate(documents)]
+    timers = {"prefill": 0.0, "evict": 0.0, "continuation": 0.0}
+    start, total = time.perf_counter(), len(cells) * len(configurations)
+    for done, scores in enumerate(runner.map(work, cells), start=1):
+        for (method, rate), value, kv_bytes in zip(configurations, scores.nll, scores.kv_bytes, strict=True):
+            if method.is_full:
+                result.nll_full.append(value)
+                result.kv_bytes_full.append(kv_bytes)
+            else:
+                result.nll.setdefault((method.name, rate), []).append(value)
+                result.kv_bytes.setdefault((method.name, rate), []).append(kv_bytes)
+        timers = {stage: timers[stage] + seconds for stage, seconds in scores.seconds.items()}
+        if progress:
+            progress(done * len(configurations), total)
     result.seconds = {**timers, "total": time.perf_counter() - start}
     return result

@@ -33,6 +33,8 @@ class ResultsLog:
 
     def __init__(self, path: str | Path | None, key: Callable[[Row], Hashable]) -> None:
         self.path = Path(path) if path is not None else None
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         self.key = key
         self.rows = read_rows(self.path) if self.path else []
         self.done = {key(r) for r in self.rows}
@@ -43,9 +45,10 @@ class ResultsLog:
     def __contains__(self, key: Hashable) -> bool:
         return key in self.done
 
-    def append(self, row: Row) -> None:
-        self.rows.append(row)
-        self.done.add(self.key(row))
+    def extend(self, rows: list[Row]) -> None:
+        """Add `rows` (a cell's), written to the file together in one write."""
+        self.rows += rows
+        self.done |= {self.key(row) for row in rows}
         if self.path:
             with self.path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write("".join(json.dumps(row) + "\n" for row in rows))

@@ -34,6 +34,7 @@ from ...selection.budget import check_count
 from ..data.essays import essay_texts
 from ..data.haystack import LINE_SEP, needle_units
 from ..progress import ProgressCallback
+from ..runners import Runner, run_once
 from .contenders import parse_contenders
 from .methods import CacheMethod
 from .stats import bootstrap_delta_ci, bootstrap_ppl_ci, pooled_delta_pct, pooled_ppl
@@ -281,10 +282,9 @@ def stream_trace(
     buffer: int = DEFAULT_BUFFER,
     fed: int | None = None,
     seed: int = 0,
-    tick: Callable[[], None] | None = None,
 ) -> StreamTrace:
     """Feed the first `fed` tokens of `ids` (all by default) through `method`'s stream at `budget`, `buffer` a chunk."""
-    return run_stream(ids, method.stream(model, budget, buffer, seed), buffer, fed, tick)
+    return run_stream(ids, method.stream(model, budget, buffer, seed), buffer, fed)
 
 
 def _preflight(
@@ -306,6 +306,44 @@ def _preflight(
 
 
 @dataclass(frozen=True)
+class Preflight:
+    """`_preflight` where the model lives; gives back the model's `max_position_embeddings`."""
+
+    contenders: list[CacheMethod]
+    budget: int
+    buffer: int
+
+    @torch.no_grad()
+    def __call__(self, model: torch.nn.Module, tokenizer: Any, ids: torch.Tensor) -> int:
+        _preflight(model, self.contenders, self.budget, self.buffer, ids.to(model.device))
+        return int(model.config.max_position_embeddings)
+
+
+@dataclass(frozen=True)
+class StreamCell:
+    """Rows `rows` of the documents through one (contender, budget), `fed` tokens each (None: all)."""
+
+    contender: CacheMethod
+    budget: int | None
+    rows: range
+    fed: int | None
+    chunks: int
+
+
+@dataclass(frozen=True)
+class StreamWork:
+    """One cell of a streaming run: its documents (`ids`, every one of the run) fed through its stream."""
+
+    ids: torch.Tensor
+    buffer: int
+
+    @torch.no_grad()
+    def __call__(self, model: torch.nn.Module, tokenizer: Any, cell: StreamCell) -> StreamTrace:
+        ids = self.ids[cell.rows.start : cell.rows.stop].to(model.device)
+        return stream_trace(model, ids, cell.contender, cell.budget, self.buffer, cell.fed, cell.rows.start)
+
+
+@dataclass(frozen=True)
 class StreamPlan:
     """A checked streaming run: the documents as one batch and the (contender, budget) configurations in order."""
 
@@ -317,38 +355,37 @@ class StreamPlan:
     rows_per_pass: int
     context_limit: int
 
-    @property
-    def batches(self) -> list[range]:
-        docs, rows = len(self.ids), self.rows_per_pass
-        return [range(i, min(i + rows, docs)) for i in range(0, docs, rows)]
-
-    def chunks(self) -> int:
-        """Forwards the whole run makes (the full cache stops at the context limit)."""
-        fed = [self.context_limit if budget is None else self.ids.shape[1] for _, budget in self.configurations]
-        return sum(math.ceil(n / self.buffer) for n in fed) * len(self.batches)
-
-    def run(self, model: torch.nn.Module, progress: ProgressCallback | None = None) -> StreamResult:
-        """Feed every batch of documents through every configuration; `progress` after every chunk."""
-        total, done = self.chunks(), [0]
-
-        def tick() -> None:
-            done[0] += 1
-            if progress is not None:
-                progress(done[0], total)
-
-        result = StreamResult(self.doc_names, self.ids.shape[1], self.buffer, self.bucket, self.context_limit)
+    def cells(self) -> list[StreamCell]:
+        """Every configuration through every batch of documents, in order (the full cache up to the context limit)."""
+        docs, rows, out = len(self.ids), self.rows_per_pass, []
         for contender, budget in self.configurations:
-            run = StreamRun(contender.name, contender.library, budget)
             fed = self.context_limit if contender.is_full else None  # the full cache: as far as positions go
-            for rows in self.batches:
-                ids = self.ids[rows.start : rows.stop]
-                run.add(stream_trace(model, ids, contender, budget, self.buffer, fed, rows.start, tick))
-            result.runs.append(run)
+            chunks = math.ceil((fed or self.ids.shape[1]) / self.buffer)
+            out += [
+                StreamCell(contender, budget, range(i, min(i + rows, docs)), fed, chunks) for i in range(0, docs, rows)
+            ]
+        return out
+
+    def run(self, runner: Runner, progress: ProgressCallback | None = None) -> StreamResult:
+        """Feed every batch of documents through every configuration; `progress` after every cell, in chunks."""
+        cells = self.cells()
+        total, done = sum(cell.chunks for cell in cells), 0
+        result = StreamResult(self.doc_names, self.ids.shape[1], self.buffer, self.bucket, self.context_limit)
+        runs: dict[tuple[str, int | None], StreamRun] = {}
+        for cell, trace in zip(cells, runner.map(StreamWork(self.ids, self.buffer), cells), strict=True):
+            key = (cell.contender.name, cell.budget)
+            if key not in runs:
+                runs[key] = StreamRun(cell.contender.name, cell.contender.library, cell.budget)
+                result.runs.append(runs[key])
+            runs[key].add(trace)
+            done += cell.chunks
+            if progress:
+                progress(done, total)
         return result
 
 
 def plan_streaming(
-    model: torch.nn.Module,
+    runner: Runner,
     documents: Sequence[tuple[str, torch.Tensor]],
     policies: str | Sequence[str] = STREAM_POLICIES,
     budgets: Sequence[int] = STREAM_BUDGETS,
@@ -360,8 +397,8 @@ def plan_streaming(
 ) -> StreamPlan:
     """Check a streaming run before it starts (a `ValueError`, or the core's `PolicyError`, names the problem).
 
-    Args: as for `run_streaming`. Every policy evicts once at the smallest budget here, so a budget
-    below its protected entries fails in seconds.
+    Args: as for `run_streaming`. Every policy evicts once at the smallest budget here (on the runner),
+    so a budget below its protected entries fails in seconds.
     """
     check_count("buffer", buffer)
     check_count("bucket", bucket)
@@ -369,18 +406,18 @@ def plan_streaming(
     contenders = parse_contenders(policies if isinstance(policies, str) else list(policies))
     budgets = _check_budgets(budgets)
     press_budgets = budgets if press_budgets is None else _check_budgets(press_budgets)
-    ids = _check_documents(documents, max(budgets + press_budgets)).to(model.device)
-    _preflight(model, contenders, min(budgets + press_budgets), buffer, ids)
+    ids = _check_documents(documents, max(budgets + press_budgets)).cpu()
+    positions = run_once(runner, Preflight(contenders, min(budgets + press_budgets), buffer), ids)
     by_library = {"kvpress": press_budgets}
     configurations: list[tuple[CacheMethod, int | None]] = [(m, None) for m in contenders if m.is_full]
     for method in (m for m in contenders if not m.is_full):
         configurations += [(method, b) for b in by_library.get(method.library, budgets)]
-    limit = min(ids.shape[1], model.config.max_position_embeddings)
+    limit = min(ids.shape[1], positions)
     return StreamPlan([name for name, _ in documents], ids, configurations, buffer, bucket, rows_per_pass, limit)
 
 
 def run_streaming(
-    model: torch.nn.Module,
+    runner: Runner,
     documents: Sequence[tuple[str, torch.Tensor]],
     policies: str | Sequence[str] = STREAM_POLICIES,
     budgets: Sequence[int] = STREAM_BUDGETS,
@@ -394,6 +431,7 @@ def run_streaming(
     """Run the streaming perplexity protocol: the full cache, then every (policy, budget), on the same documents.
 
     Args:
+        runner: where the streams run (`runners.LocalRunner(model)`, or a `RayRunner`).
         documents: (name, ids `[1, T]`) of one length T, longer than every budget.
         policies: kvsieve specs and `kvpress:<press>` names (`STREAMING_PRESSES`); the full cache always runs.
         budgets: entries per (layer, kv-head) on average (`max_tokens`), for every kvsieve policy.
@@ -404,7 +442,7 @@ def run_streaming(
         progress: called after every chunk with (done, total).
     """
     plan = plan_streaming(
-        model,
+        runner,
         documents,
         policies,
         budgets,
@@ -413,4 +451,4 @@ def run_streaming(
         press_budgets=press_budgets,
         rows_per_pass=rows_per_pass,
     )
-    return plan.run(model, progress)
+    return plan.run(runner, progress)

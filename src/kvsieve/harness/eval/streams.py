@@ -105,12 +105,11 @@ def feed_stream(
     measure: Callable[[], CacheSize],
     chunk: int,
     fed: int | None = None,
-    tick: Callable[[], None] | None = None,
 ) -> StreamTrace:
     """Feed the first `fed` tokens of `ids` (`[rows, T]`, all by default) `chunk` at a time, teacher forced.
 
     Each chunk's logits score the tokens after it (the last one scores the first token of the next
-    chunk); `measure` runs after every forward, `tick` after every chunk.
+    chunk); `measure` runs after every forward.
     """
     rows, length = ids.shape
     fed = length if fed is None else min(fed, length)
@@ -127,14 +126,10 @@ def feed_stream(
         )
         nll[:, start + 1 : start + 1 + targets.shape[1]] = scored.double().cpu().numpy()
         peak = peak.peak(measure())
-        if tick is not None:
-            tick()
     return StreamTrace(nll, peak, seconds, rows * fed)
 
 
-def run_stream(
-    ids: torch.Tensor, stream: Stream, chunk: int, fed: int | None = None, tick: Callable[[], None] | None = None
-) -> StreamTrace:
+def run_stream(ids: torch.Tensor, stream: Stream, chunk: int, fed: int | None = None) -> StreamTrace:
     """`feed_stream` through `stream`, inside its `running()`."""
     with stream.running():
-        return feed_stream(ids, stream.forward, stream.size, chunk, fed, tick)
+        return feed_stream(ids, stream.forward, stream.size, chunk, fed)

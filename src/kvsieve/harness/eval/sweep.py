@@ -19,6 +19,7 @@ import hashlib
 import operator
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,18 +31,17 @@ from ...selection.observation import Needs
 from ...selection.spans import sentence_spans
 from ..data.sample import EncodedSample, TaskSample, encode
 from ..progress import ProgressCallback
+from ..runners import Runner
 from .answers import judge
 from .contenders import parse_contenders
+from .logged_cells import run_logged
 from .methods import CacheMethod, Case, Configuration, build, passes
 from .respond import Response
 from .results_log import ResultsLog
-from .results_table import write_table
 from .routing import diagnose
 
 #: Question-agnostic: compress the context before the question is seen. Question-aware: after.
 MODES = ("agnostic", "aware")
-
-#: Called after each configuration with (done, total).
 
 #: kvsieve configurations of a sample answered together as one batch (one prefill, many evictions).
 SWEEP_ROWS_PER_PASS = 16
@@ -113,20 +113,24 @@ def prefill_needs(methods: Sequence[CacheMethod], diagnostics: bool) -> Needs:
     return functools.reduce(operator.or_, (m.needs for m in methods), needs)
 
 
+@dataclass(frozen=True)
+class SurvivalCell:
+    """One sample under one configuration, for its eviction map."""
+
+    sample: TaskSample
+    method: CacheMethod
+    rate: float
+    mode: str = "agnostic"
+    chat: bool | None = None
+
+
 @torch.no_grad()
-def sample_survival(
-    model: torch.nn.Module,
-    tokenizer: Any,
-    sample: TaskSample,
-    method: CacheMethod,
-    rate: float,
-    mode: str = "agnostic",
-    chat: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(survival [layers, kv_heads, n_context], evidence positions)` of one sample under one configuration."""
-    encoded = encode(sample, tokenizer, chat).to(model.device)
-    case = sample_case(encoded, mode, prefill_needs([method], diagnostics=False), tokenizer)
-    return build(model, case, [(method, rate)]).survival[0], encoded.evidence_positions
+def sample_survival(model: torch.nn.Module, tokenizer: Any, cell: SurvivalCell) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(survival [layers, kv_heads, n_context], evidence positions)` of the cell, on the CPU (a `Work`)."""
+    encoded = encode(cell.sample, tokenizer, cell.chat).to(model.device)
+    case = sample_case(encoded, cell.mode, prefill_needs([cell.method], diagnostics=False), tokenizer)
+    survival = build(model, case, [(cell.method, cell.rate)]).survival[0]
+    return survival.cpu(), encoded.evidence_positions.cpu()
 
 
 def _answer_row(encoded: EncodedSample, response: Response, tokenizer: Any) -> dict[str, Any]:
@@ -181,9 +185,51 @@ def _run_configurations(
     return rows
 
 
+@dataclass(frozen=True)
+class SweepCell:
+    """A sample in one mode and the configurations (method name, rate) it still needs: one prefill, many evictions."""
+
+    sample: TaskSample
+    mode: str
+    todo: tuple[tuple[str, float], ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.todo)
+
+
+@dataclass(frozen=True)
+class SweepWork:
+    """One cell of a sweep: prefill the case once, build, answer and diagnose its configurations; a row each."""
+
+    methods: dict[str, CacheMethod]
+    needs: Needs
+    chat: bool | None
+    diagnostics: bool
+    reprefill: bool
+    rows_per_pass: int
+
+    @torch.no_grad()
+    def __call__(self, model: torch.nn.Module, tokenizer: Any, cell: SweepCell) -> list[dict[str, Any]]:
+        encoded = encode(cell.sample, tokenizer, self.chat).to(model.device)
+        case = sample_case(encoded, cell.mode, self.needs, tokenizer)
+        todo = [(self.methods[name], rate) for name, rate in cell.todo]
+        shared = 1 if self.reprefill else sum(c.builder.shares_prefill for c, _ in todo)  # configurations sharing it
+        header = sample_header(encoded, cell.mode)
+        rows = []
+        for batch in passes(todo, 1 if self.reprefill else self.rows_per_pass):
+            case = case.fresh() if self.reprefill else case
+            made = _run_configurations(model, tokenizer, encoded, cell.mode, case, batch, self.diagnostics)
+            for (method, _), row in zip(batch, made, strict=True):
+                # wall time of a configuration: its share of the prefill it evicts from (kvpress prefills itself)
+                share = case.prefill_seconds / shared if method.builder.shares_prefill else 0.0
+                timing = {"prefill_seconds": case.prefill_seconds}
+                rows.append(header | timing | row | {"wall_seconds": row["seconds"] + share})
+        return rows
+
+
 def run_sweep(
-    model: torch.nn.Module,
-    tokenizer: Any,
+    runner: Runner,
     samples: Sequence[TaskSample],
     policies: str | Sequence[str],
     rates: Sequence[float],
@@ -199,6 +245,7 @@ def run_sweep(
     """Run every (contender, rate) on every sample in every mode; one row each (see module doc).
 
     Args:
+        runner: where the cells run (`runners.LocalRunner(model, tokenizer)`, or a `RayRunner`).
         policies: kvsieve policy specs and ``kvpress:<press>`` names; the full cache is always included.
         rates: eviction rates in [0, 1) (the full cache runs once, as rate 0).
         modes: ``"agnostic"`` and/or ``"aware"``.
@@ -219,33 +266,15 @@ def run_sweep(
     if rows_per_pass < 1:
         raise ValueError(f"rows_per_pass must be >= 1, got {rows_per_pass}")
     log = ResultsLog(results, row_key)
-    configurations = _configurations(methods, rates)
-    needs = prefill_needs(methods, diagnostics)
-    total = len(samples) * len(modes) * len(configurations)
-    finished = sum(1 for s in samples for m in modes for c, r in configurations if (sample_key(s), m, c.name, r) in log)
-    if progress:
-        progress(finished, total)
+    grid = [(m.name, r) for m, r in _configurations(methods, rates)]
+    cells = []
     for sample in samples:
         key = sample_key(sample)
-        encoded = None
         for mode in modes:
-            todo = [(c, r) for c, r in configurations if (key, mode, c.name, r) not in log]
-            if not todo:
-                continue
-            encoded = encoded or encode(sample, tokenizer, chat).to(model.device)
-            case = sample_case(encoded, mode, needs, tokenizer)
-            shared = 1 if reprefill else sum(c.builder.shares_prefill for c, _ in todo)  # configurations sharing it
-            for batch in passes(todo, 1 if reprefill else rows_per_pass):
-                case = case.fresh() if reprefill else case
-                rows = _run_configurations(model, tokenizer, encoded, mode, case, batch, diagnostics)
-                for (method, _), row in zip(batch, rows, strict=True):
-                    # wall time of a configuration: its share of the prefill it evicts from (kvpress prefills itself)
-                    share = case.prefill_seconds / shared if method.builder.shares_prefill else 0.0
-                    timing = {"prefill_seconds": case.prefill_seconds}
-                    log.append(sample_header(encoded, mode) | timing | row | {"wall_seconds": row["seconds"] + share})
-                finished += len(batch)
-                if progress:
-                    progress(finished, total)
-    if log.path:
-        write_table(log.rows, log.path)
+            todo = tuple((name, r) for name, r in grid if (key, mode, name, r) not in log)
+            if todo:
+                cells.append(SweepCell(sample, mode, todo))
+    needs = prefill_needs(methods, diagnostics)
+    work = SweepWork({m.name: m for m in methods}, needs, chat, diagnostics, reprefill, rows_per_pass)
+    run_logged(runner, work, cells, log, len(samples) * len(modes) * len(grid), progress)
     return pd.DataFrame(log.rows)
