@@ -90,6 +90,9 @@ def respond(
         rank_index: which gold token's rank to report (see `gold_statistics`).
         max_feed: feed the rest of the prompt and the gold answer at most this many tokens a
             forward (kvpress's AdaKV needs it; exact either way).
+
+    The prompt's tokens past the cache but the last are fed once, into `cache`; the gold answer is
+    teacher-forced on a copy from there, and `generate` feeds the last prompt token and answers.
     """
     rows = rows_of(cache)
     prompt_ids = prompt_ids.expand(rows, -1)
@@ -97,11 +100,11 @@ def respond(
     tail = prompt_ids[:, seen:]
     if tail.shape[1] == 0:
         raise ValueError("the cache already holds the whole prompt; leave at least one prompt token to feed")
-    if max_feed is not None:  # feed all but the last prompt token now, in chunks; generate feeds the last
-        feed(model, cache, tail[:, :-1], max_feed)
-        tail = tail[:, -1:]
+    # the prompt but its last token, fed once for both: the teacher-forced copy and `generate` go on from there
+    feed(model, cache, tail[:, :-1], max_feed)
+    tail = tail[:, -1:]
     forced = torch.cat([tail, gold_ids.expand(rows, -1)[:, :-1]], dim=-1)
-    logits = feed(model, fork(cache), forced, max_feed)[:, tail.shape[1] - 1 :]
+    logits = feed(model, fork(cache), forced, max_feed)
     gold = [gold_statistics(logits[row], gold_ids[0], rank_index) for row in range(rows)]
     stop = eos_token_id if eos_token_id is not None else model.generation_config.eos_token_id
     stops = [stop] if isinstance(stop, int) else list(stop or [])

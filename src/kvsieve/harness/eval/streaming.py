@@ -439,7 +439,7 @@ def run_streaming(
         bucket: width of the position buckets PPL is also pooled in.
         press_budgets: budgets of the kvpress presses (default: `budgets`).
         rows_per_pass: documents fed together as rows of one batch.
-        progress: called after every chunk with (done, total).
+        progress: called after every cell (a configuration through a batch of documents) with (done, total) chunks.
     """
     plan = plan_streaming(
         runner,

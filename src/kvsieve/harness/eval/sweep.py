@@ -8,8 +8,9 @@ together: one batch whose rows are the different evictions of the one prefill, o
 `generate` and one teacher-forced pass for all of them. Each row also carries the routing
 diagnostics of its survival mask.
 
-Rows are appended to a JSONL file as they are made; a sweep restarted on the same file skips
-the rows it already holds, so an interrupted sweep resumes where it stopped.
+A cell is a sample in one mode (`SweepCell`): the runner does it where a model replica lives
+(`harness.runners`), and its rows are appended to a JSONL file when it is done; a sweep restarted
+on the same file skips the rows it already holds, so an interrupted sweep resumes where it stopped.
 """
 
 from __future__ import annotations
