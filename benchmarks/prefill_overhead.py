@@ -3,11 +3,14 @@
 A scorer's cost at prefill is the observed prefill it needs (exactly what it declares in
 `needs`: fused SDPA plus the last queries for window scorers; chunked attention with materialised exponentials
 for scorers that read the attention accumulated over all queries) plus computing its scores
-and keep indices. After one untimed warm-up of each, every repeat runs the SDPA prefill and every
-distinct observed prefill back to back; scoring is timed on the observations of the last repeat.
-Medians over repeats.
+and keep indices; for kvzip, the reconstruction pass after the prefill (the context fed again,
+`chunk` tokens a forward). After one untimed warm-up of each, every repeat runs the SDPA prefill and
+every distinct observed prefill back to back; scoring is timed on the observations of the last
+repeat. Medians over repeats.
 
     python benchmarks/prefill_overhead.py [--lengths 2048,4096] [--repeats 3]
+    python benchmarks/prefill_overhead.py --policies kvzip:chunk=512,kvzip:chunk=1024,kvzip:chunk=2048 \
+        --lengths 2048,4096,8192 --out prefill_overhead_kvzip
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import DynamicCache
 
-from kvsieve import known_policies, load_model, make_policy, observe_prefill
+from kvsieve import Needs, known_policies, load_model, make_policy, observe_prefill
 from kvsieve.harness.data import long_context
 from kvsieve.harness.report import markdown_table
 
@@ -42,6 +45,12 @@ def sdpa_prefill(model: torch.nn.Module, ids: torch.Tensor) -> None:
     model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
 
 
+def _kind(needs: Needs) -> str:
+    if needs.reconstruction is not None:
+        return f"reconstruct, chunk {needs.reconstruction.chunk}"
+    return "accumulate" if needs.accumulated else "window"
+
+
 def markdown(report: dict) -> str:
     """The report as a Markdown table: per scorer, its observed prefill and its time over SDPA at each context."""
     contexts = list(dict.fromkeys(r["context"] for r in report["rows"]))
@@ -57,16 +66,19 @@ def main() -> None:
     parser.add_argument("--lengths", default="2048,4096")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rate", type=float, default=0.8)
+    parser.add_argument("--policies", help="comma-separated specs (default: every scorer)")
+    parser.add_argument("--out", default="prefill_overhead", help="name of the results files")
     args = parser.parse_args()
     console = Console()
     model, tokenizer = load_model()
     lengths = [int(x) for x in args.lengths.split(",")]
     ids = long_context(tokenizer, max(lengths))
-    policies = [make_policy(name) for name in known_policies()]
+    names = args.policies.split(",") if args.policies else known_policies()
+    policies = [make_policy(name) for name in names]
     rows = []
     for need in {policy.needs for policy in policies}:  # warm-up: first calls pay one-time costs
         sdpa_prefill(model, ids[:, :256])
-        observe_prefill(model, ids[:, :256], need)
+        observe_prefill(model, ids[:, :256], need, tokenizer=tokenizer)
     for length in lengths:
         context = ids[:, :length]
         needs = {policy.name: policy.needs for policy in policies}
@@ -75,11 +87,11 @@ def main() -> None:
         for _ in range(args.repeats):
             runs["sdpa"].append(timed(sdpa_prefill, model, context)[0])
             for need in set(needs.values()):
-                seconds, observed[need] = timed(observe_prefill, model, context, need)
+                seconds, observed[need] = timed(observe_prefill, model, context, need, tokenizer=tokenizer)
                 runs[need].append(seconds)
         sdpa = statistics.median(runs["sdpa"])
         for policy in policies:
-            kind = "accumulate" if policy.needs.accumulated else "window"
+            kind = _kind(policy.needs)
             prefill = statistics.median(runs[policy.needs])
             scoring, _ = timed(policy.select, observed[policy.needs].observations[0], args.rate)
             rows.append(
@@ -118,9 +130,9 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     meta = {"model": "SmolLM2-135M-Instruct (float32)", "device": "cpu", "threads": torch.get_num_threads()}
     payload = {**meta, "repeats": args.repeats, "rows": rows}
-    (RESULTS / "prefill_overhead.json").write_text(json.dumps(payload, indent=2))
-    (RESULTS / "prefill_overhead.md").write_text(markdown(payload))
-    console.print(f"wrote {RESULTS / 'prefill_overhead.json'}")
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(payload, indent=2))
+    (RESULTS / f"{args.out}.md").write_text(markdown(payload))
+    console.print(f"wrote {RESULTS / args.out}.json")
 
 
 if __name__ == "__main__":

@@ -126,10 +126,14 @@ class DiesOnce:
     marker: Path
 
     def __call__(self, model: torch.nn.Module, tokenizer: object, cell: object) -> object:
-        if not self.marker.exists():
-            self.marker.write_text(str(os.getpid()))
-            os.kill(os.getpid(), signal.SIGKILL)
-        return self.work(model, tokenizer, cell)
+        try:  # created by exactly one replica, even when two start their first cells at once
+            marker = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return self.work(model, tokenizer, cell)
+        os.write(marker, str(os.getpid()).encode())
+        os.close(marker)
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable: this process was killed")
 
 
 @dataclass

@@ -23,7 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from ..selection.architecture import layer_windows
 from ..selection.errors import UnhookableModelError
 from .inputs import check_model
-from .kernels import masked_sdpa, observed_attention, tallied_attention, varlen_attention, varlen_available
+from .kernels import masked_sdpa, tallied_attention, varlen_attention, varlen_available
 from .layout import RaggedLayout, active_scope, sieve_scope
 from .segments import PAD_POSITION
 
@@ -94,21 +94,12 @@ def sieve_attention_forward(
         out, received = tallied_attention(query, key, value, visibility(layout, attention_mask, query.shape[2]), scale)
         layout.tally.add_received(received)
         return out, None
-    recorder = layout.recorder
-    if recorder is None:
-        if attention_mask is None and query.shape[2] == 1 and varlen_available(query):
-            valid = layout.slots.valid()
-            return varlen_attention(query, key, value, None if valid is None else valid.sum(-1), scale), None
-        return masked_sdpa(query, key, value, visibility(layout, attention_mask, query.shape[2]), scale), None
-    received = None
-    if recorder.accumulate:
-        out, received = observed_attention(query, key, value, attention_mask, scale, recorder.query_weight)
-    else:
-        out, _ = sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    recorder.record(layout.layer_idx, module, query, scale, received)
-    return out, None
+    if layout.recorder is not None:
+        return layout.recorder.attend(layout.layer_idx, module, query, key, value, attention_mask, scale), None
+    if attention_mask is None and query.shape[2] == 1 and varlen_available(query):
+        valid = layout.slots.valid()
+        return varlen_attention(query, key, value, None if valid is None else valid.sum(-1), scale), None
+    return masked_sdpa(query, key, value, visibility(layout, attention_mask, query.shape[2]), scale), None
 
 
 def register_sieve_attention() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,13 @@ from .inputs import check_input_ids
 from .prefill import Prefill, observe_prefill
 
 BUFFER_NEEDS_SIZE = "buffer and chunk bound a size budget (max_tokens or max_bytes); a rate has no size"
+NOT_RECONSTRUCTED = (
+    "kvzip scores entries by the model repeating the whole prompt after its prefill: it is not defined for a "
+    "chunked prefill (chunk=) or for re-scoring during generation (buffer=); use a rate or a size without them"
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def _with_question(
@@ -59,6 +67,7 @@ def compress(
     kv_bits: int = 16,
     kv_group: int | None = None,
     kv_residual: int | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     **policy_params: object,
 ) -> SievedCache:
     """Prefill `input_ids` and return a cache that holds what the budget allows of each sequence.
@@ -106,6 +115,7 @@ def compress(
             `kv_group` channels, default 32), the newest `kv_residual` (default 32) of every (row,
             kv-head) in full precision; `max_bytes` counts those bytes. The prefill and its scoring read
             the entries as computed; later forwards read them back quantized.
+        tokenizer: the model's tokenizer, for a scorer that asks the model to repeat the prompt (``kvzip``).
         policy_params: scorer and allocator parameters, the protection (`n_sink`, `n_recent`) and the
             projection (`projection`: ``topk``, ``chunk``, ``sentence``; `chunk_size` for ``chunk``).
     """
@@ -124,6 +134,7 @@ def compress(
         protect_positions=protect_positions,
         spans=spans,
         codec=codec,
+        tokenizer=tokenizer,
     )
 
 
@@ -140,6 +151,7 @@ def compress_with(
     protect_positions: torch.Tensor | None = None,
     spans: torch.Tensor | None = None,
     codec: EntryCodec = FULL_PRECISION,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> SievedCache:
     """`compress` with the policy, the budget and the codec already built (`make_policy`, `make_budget`,
     `Storage.codec`)."""
@@ -155,9 +167,11 @@ def compress_with(
     growth = None
     if chunk is not None or buffer is not None:
         _check_bounded(budget, buffer, chunk, attention_mask, protect_positions, spans)
+        if policy.needs.reconstruction is not None:
+            raise PolicyError(NOT_RECONSTRUCTED)
         growth = BoundedGrowth.of(policy, budget, chunk or buffer, model, protect_positions, row_spans)
     first = input_ids if chunk is None else input_ids[:, :chunk]
-    prefill = observe_prefill(model, first, policy.needs, attention_mask=attention_mask)
+    prefill = observe_prefill(model, first, policy.needs, attention_mask=attention_mask, tokenizer=tokenizer)
     if growth is not None:
         growth.start(prefill)
     kept = _kept_per_row(prefill, policy, budget, protect_positions, row_spans, codec)

@@ -26,19 +26,21 @@ from .segments import Slots
 
 
 class Recorder(Protocol):
-    """Receives what an observed prefill's attention saw, layer by layer (see `kvsieve.runtime.prefill`)."""
+    """Runs one layer's attention of an observed forward and keeps what it saw (`kvsieve.runtime.prefill`,
+    `kvsieve.runtime.reconstruction`)."""
 
-    accumulate: bool
-    query_weight: torch.Tensor | None
-
-    def record(
+    def attend(
         self,
         layer_idx: int,
         module: torch.nn.Module,
         query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
         scaling: float,
-        received: torch.Tensor | None,
-    ) -> None: ...
+    ) -> torch.Tensor:
+        """The attention output `[batch, q, heads, d]` (`transformers`' layout) of `query [batch, heads, q, d]`."""
+        ...
 
 
 class QueryLog(Protocol):

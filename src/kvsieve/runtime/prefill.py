@@ -8,18 +8,25 @@ full-attention layer). One prefill serves every (policy, rate): it does not depe
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..selection.errors import UnhookableModelError
+from ..selection.errors import PolicyError, UnhookableModelError
 from ..selection.gates import RetentionGates
 from ..selection.observation import DEFAULT_WINDOW, Needs, Observation, Statistics
 from ..selection.rotary import Rotary, find_rotary
 from .attention import sieve_attention
 from .cache import SievedCache, SievedLayer
 from .inputs import check_input_ids, real_tokens
+from .kernels import observed_attention
+from .reconstruction import reconstruct
 from .statistics import needed_gates, output_projection
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class PrefillRecorder:
@@ -42,6 +49,25 @@ class PrefillRecorder:
         # cache positions of each row's last `window` real tokens, and their token positions
         self.window_index = torch.stack([row.nonzero().flatten()[-window:] for row in real]) if window else None
         self.layers: dict[int, list[Statistics]] = {}
+
+    def attend(
+        self,
+        layer_idx: int,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float,
+    ) -> torch.Tensor:
+        """The layer's attention: fused SDPA, or with the accumulated attention when it is needed; recorded."""
+        received = None
+        if self.accumulate:
+            out, received = observed_attention(query, key, value, attention_mask, scaling, self.query_weight)
+        else:
+            out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)
+        self.record(layer_idx, module, query, scaling, received)
+        return out
 
     def record(
         self,
@@ -117,6 +143,7 @@ def observe_prefill(
     needs: Needs | None = None,
     *,
     attention_mask: torch.Tensor | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> Prefill:
     """Run one full-cache prefill with sieve attention and observe every layer of every sequence.
 
@@ -124,12 +151,16 @@ def observe_prefill(
         input_ids: `[rows, n]`; padded sequences (left or right) need `attention_mask`.
         needs: what to record besides the entries (default: the last `DEFAULT_WINDOW` queries).
         attention_mask: `[rows, n]`, 1 for real tokens and 0 for padding.
+        tokenizer: the model's, when `needs.reconstruction` asks the model to repeat its context
+            (`kvsieve.runtime.reconstruction`: a second pass over the context after the prefill).
     """
     needs = Needs(window=DEFAULT_WINDOW) if needs is None else needs
     if needs.window < 0:
         raise ValueError(f"the observation window must be >= 0, got {needs.window}")
     check_input_ids(model, input_ids)
     real = real_tokens(input_ids, attention_mask)
+    if needs.reconstruction is not None:
+        _check_reconstructable(real, tokenizer)
     recorder = PrefillRecorder(needs, real, needed_gates(model, needs))
     cache = SievedCache.for_model(model)
     cache.recorder = recorder
@@ -147,6 +178,10 @@ def observe_prefill(
             f"{type(model).__name__}: sieve attention saw {len(recorder.layers)} of {len(full)} full-attention "
             "layers; its attention does not go through the transformers attention interface"
         )
+    if needs.reconstruction is not None:
+        most = reconstruct(model, cache, input_ids, needs.reconstruction, tokenizer)
+        for i in full:
+            recorder.layers[i] = [replace(s, reconstructed=most[i][row]) for row, s in enumerate(recorder.layers[i])]
     rotary = find_rotary(model) if needs.rotary and full else None
     entries = [row.nonzero().flatten() if recorder.padded else None for row in real]
     observations = [
@@ -157,6 +192,17 @@ def observe_prefill(
         for row in range(input_ids.shape[0])
     ]
     return Prefill(cache=cache, observations=observations, entries=entries, last_logits=last_logits)
+
+
+def _check_reconstructable(real: torch.Tensor, tokenizer: PreTrainedTokenizerBase | None) -> None:
+    """A clear error unless the model can be asked to repeat the prompt: it needs its tokenizer, and no padding."""
+    if tokenizer is None:
+        raise PolicyError(
+            "kvzip asks the model to repeat the prompt after it, which needs its tokenizer: "
+            "compress(model, ids, 'kvzip', rate=..., tokenizer=tokenizer)"
+        )
+    if not bool(real.all()):
+        raise PolicyError("kvzip does not score padded batches yet: compress the prompts one at a time")
 
 
 def _prefill_observation(

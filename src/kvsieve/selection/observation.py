@@ -27,6 +27,19 @@ def entry_bytes(keys: torch.Tensor, values: torch.Tensor) -> int:
 
 
 @dataclass(frozen=True)
+class Reconstruction:
+    """The model repeating its own context after it, as KVzip scores entries (arXiv 2505.23416).
+
+    After the prefill, `prompt` (in the tokenizer's chat template where it has one) and the context
+    are fed after the context, `chunk` context tokens at a time, each chunk on the prefilled cache
+    alone; every entry records the most attention any of those queries gave it.
+    """
+
+    prompt: str
+    chunk: int
+
+
+@dataclass(frozen=True)
 class Needs:
     """What a scorer reads besides the entries' keys, values and positions.
 
@@ -37,6 +50,7 @@ class Needs:
         output_projection: whether it reads the attention output projection `W_o`.
         rotary: whether it reads the model's rotary embedding.
         gates: the retention-gate checkpoints it reads (`kvsieve.selection.checkpoint.load_gates` sources).
+        reconstruction: whether, and how, the model repeats its context after the prefill (`Reconstruction`).
     """
 
     window: int = 0
@@ -44,14 +58,19 @@ class Needs:
     output_projection: bool = False
     rotary: bool = False
     gates: tuple[str, ...] = ()
+    reconstruction: Reconstruction | None = None
 
     def __or__(self, other: Needs) -> Needs:
+        mine, theirs = self.reconstruction, other.reconstruction
+        if mine is not None and theirs is not None and mine != theirs:
+            raise ValueError(f"one prefill cannot reconstruct its context two ways: {mine} and {theirs}")
         return Needs(
             window=max(self.window, other.window),
             accumulated=self.accumulated or other.accumulated,
             output_projection=self.output_projection or other.output_projection,
             rotary=self.rotary or other.rotary,
             gates=tuple(sorted({*self.gates, *other.gates})),
+            reconstruction=mine or theirs,
         )
 
 
@@ -67,6 +86,8 @@ class Statistics:
         received: `[q_heads, n]` attention each entry received, summed over all queries (None if not needed).
         output_weight: the layer's output projection `[hidden, q_heads * head_dim]` (None if not needed).
         gates: the retention gates the scorers read, by source (`Needs.gates`).
+        reconstructed: `[q_heads, n]` the most attention each entry received while the model repeated
+            the context (`Needs.reconstruction`; None if not needed).
     """
 
     scaling: float
@@ -76,6 +97,7 @@ class Statistics:
     received: torch.Tensor | None = None
     output_weight: torch.Tensor | None = None
     gates: Mapping[str, RetentionGates] = dataclasses.field(default_factory=dict)
+    reconstructed: torch.Tensor | None = None
 
 
 def causal_attention(
@@ -158,6 +180,15 @@ class Observation:
         if self.stats.received is None:
             raise ValueError(f"{who} needs the attention accumulated over all queries (Needs.accumulated)")
         return self.stats.received
+
+    def reconstructed(self, who: str) -> torch.Tensor:
+        """`[q_heads, n]` the most attention each entry received while the model repeated the context."""
+        if self.stats.reconstructed is None:
+            raise ValueError(
+                f"{who} reads the model repeating its context after the prefill (Needs.reconstruction), which "
+                "only a prefill records: not a chunked prefill or a cache re-scored during generation"
+            )
+        return self.stats.reconstructed
 
     def queries_seeing(self) -> torch.Tensor:
         """`[kv_heads, n]` how many queries could attend to each entry (every token seen is a query)."""

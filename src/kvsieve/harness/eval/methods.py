@@ -57,6 +57,7 @@ class Case:
         needs: what the shared observed prefill records (the union of the methods' needs).
         evidence_spans: `[start, end)` context token ranges the answer depends on (for forced slots).
         spans: a sentence number per token of `ids` (`kvsieve.sentence_spans`), for ``projection=sentence``.
+        tokenizer: the model's, for a method that asks the model to repeat the case (``kvzip``).
     """
 
     ids: torch.Tensor
@@ -65,6 +66,7 @@ class Case:
     needs: Needs = field(default_factory=Needs)
     evidence_spans: tuple[tuple[int, int], ...] = ()
     spans: torch.Tensor | None = None
+    tokenizer: Any = None
     _prefill: Prefill | None = field(default=None, init=False, repr=False)
     prefill_seconds: float = field(default=0.0, init=False)
 
@@ -76,7 +78,7 @@ class Case:
         """The case's observed full prefill, run once (timed in `prefill_seconds`)."""
         if self._prefill is None:
             tick = time.perf_counter()
-            self._prefill = observe_prefill(model, self.ids, self.needs)
+            self._prefill = observe_prefill(model, self.ids, self.needs, tokenizer=self.tokenizer)
             self.prefill_seconds = time.perf_counter() - tick
         return self._prefill
 

@@ -119,7 +119,7 @@ class PplWork:
 
     def __call__(self, model: torch.nn.Module, tokenizer: Any, document: PplDocument) -> PplScores:
         ids = document.ids.to(model.device)
-        case = Case(ids[:, : self.prefix], self.prefix, document.index, self.needs)
+        case = Case(ids[:, : self.prefix], self.prefix, document.index, self.needs, tokenizer=tokenizer)
         timers = {"prefill": 0.0, "evict": 0.0, "continuation": 0.0}
 
         @contextmanager

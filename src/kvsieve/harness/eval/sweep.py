@@ -105,7 +105,8 @@ def sample_case(encoded: EncodedSample, mode: str, needs: Needs, tokenizer: Any)
     evidence spans and its sentences."""
     prefilled, _ = split_prompt(encoded, mode)
     spans = sentence_spans(tokenizer, prefilled[0])
-    return Case(prefilled, encoded.context_length, encoded.sample.index, needs, encoded.evidence_spans, spans)
+    sample = encoded.sample
+    return Case(prefilled, encoded.context_length, sample.index, needs, encoded.evidence_spans, spans, tokenizer)
 
 
 def prefill_needs(methods: Sequence[CacheMethod], diagnostics: bool) -> Needs:

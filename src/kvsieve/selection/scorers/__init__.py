@@ -8,6 +8,7 @@ from .h2o import H2OScorer
 from .importance import ImportanceScorer
 from .keydiff import KeyDiffScorer
 from .knorm import KnormScorer
+from .kvzip import KVzipScorer
 from .random import RandomScorer
 from .snapkv import SnapKVScorer
 from .streaming import StreamingScorer
@@ -33,6 +34,7 @@ SCORERS: dict[str, type] = {
         CAOTEScorer,
         CriticalScorer,
         TrimKVScorer,
+        KVzipScorer,
     )
 }
 
@@ -43,6 +45,7 @@ __all__ = [
     "ExpectedScorer",
     "H2OScorer",
     "ImportanceScorer",
+    "KVzipScorer",
     "KeyDiffScorer",
     "KnormScorer",
     "RandomScorer",
