@@ -10,7 +10,7 @@ import torch
 
 import kvsieve
 from conftest import tiny_llama
-from kvsieve.runtime.reconstruction import repeat_prompt_ids
+from kvsieve.runtime.reconstruction import flash_attention, materialized_attention, repeat_prompt_ids
 from kvsieve.selection.allocators import ALLOCATORS
 from kvsieve.selection.errors import PolicyError
 from kvsieve.selection.observation import Needs, Reconstruction
@@ -53,6 +53,21 @@ def test_reconstruction_equals_eager_attention(tok):
     assert expected[0].std() > 1e-2 * expected[0].mean()  # entries score differently: a ranking to test
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_and_the_materialized_attention_agree(dtype):
+    """The CPU path (flash kernel + log-sum-exp) against the one other devices take, on the same numbers."""
+    generator = torch.Generator().manual_seed(3)
+    query, keys, values = (torch.randn(2, 4, 30, 16, generator=generator).to(dtype) for _ in range(3))
+    earlier_keys, earlier_values = (torch.randn(2, 4, 50, 16, generator=generator).to(dtype) for _ in range(2))
+    keys, values = torch.cat([earlier_keys, keys], dim=2), torch.cat([earlier_values, values], dim=2)
+    fused, fused_seen = flash_attention(query, keys, values, 0.25, 50)
+    plain, plain_seen = materialized_attention(query, keys, values, 0.25, 50)
+    tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(fused, plain, **tolerance)
+    torch.testing.assert_close(fused_seen.float(), plain_seen.float(), **tolerance)
+    assert fused_seen.shape == (2, 4, 50) and fused.shape == (2, 4, 30, 16)
+
+
 @torch.no_grad()
 def test_the_repeat_prompt_follows_the_chat_template(tok):
     plain = tok.decode(repeat_prompt_ids(tok, REPEAT_PROMPT)[0])
@@ -89,6 +104,18 @@ def test_a_batch_keeps_what_each_row_keeps_alone(lm, tok):
         for layer in range(3):
             for mine, theirs in zip(batch.kept_positions(layer, row), alone.kept_positions(layer), strict=True):
                 assert torch.equal(mine, theirs)
+
+
+@torch.no_grad()
+def test_generate_and_apply_hand_the_tokenizer_on(lm, tok):
+    ids, options = _ids(), {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    cache = kvsieve.compress(lm, ids[:, :-1], "kvzip+global", 0.7, tokenizer=tok)
+    with kvsieve.sieve_attention(lm):
+        expected = lm.generate(ids, past_key_values=cache, **options)
+    assert torch.equal(kvsieve.generate(lm, ids, "kvzip+global", 0.7, tokenizer=tok, **options), expected)
+    with kvsieve.apply(lm, kvsieve.EvictionConfig(policy="kvzip+global", rate=0.7)) as handle:
+        assert torch.equal(lm.generate(ids, tokenizer=tok, **options), expected)
+    assert handle.last_cache.stored_lengths() == cache.stored_lengths()
 
 
 @torch.no_grad()

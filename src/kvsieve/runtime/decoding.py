@@ -12,6 +12,7 @@ at the size. Beam search is refused: rows of a compressed cache are not reordere
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from .cache import SievedCache
 from .codecs import FULL_PRECISION, EntryCodec
 from .compress import BUFFER_NEEDS_SIZE, bounded_cache_with, compress_with
 from .inputs import check_input_ids, real_tokens
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def refuse_beams(model: torch.nn.Module, generate_kwargs: dict, what: str) -> None:
@@ -60,6 +64,7 @@ def compressed_prompt(
     budget: Budget,
     buffer: int | None,
     codec: EntryCodec = FULL_PRECISION,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> SievedCache | None:
     """The cache every token of the prompt but the last is compressed into, or None where the module rule says so."""
     context = int(real_tokens(input_ids, attention_mask).sum(dim=-1).min())
@@ -71,7 +76,7 @@ def compressed_prompt(
         budget = Rate(0.0)  # nothing to evict, but the entries are stored as asked
     if budget.is_size and context < 1:
         return None if buffer is None else bounded_cache_with(model, policy, budget, buffer, codec)
-    options = {"buffer": buffer, "attention_mask": attention_mask, "codec": codec}
+    options = {"buffer": buffer, "attention_mask": attention_mask, "codec": codec, "tokenizer": tokenizer}
     if question_ids is not None and question_ids.shape[-1] > 1:
         return compress_with(model, input_ids, policy, budget, question_ids=question_ids[:, :-1], **options)
     ids, mask = prompt_with_question(input_ids, attention_mask, question_ids)
@@ -96,7 +101,8 @@ def generate_compressed(
 
     `buffer` (a size budget only) keeps the size while generating; `codec` stores the entries.
     Returns what `generate` returns (the prompt, then the new tokens) and the cache (None where the
-    prompt was too short to evict, see the module docstring).
+    prompt was too short to evict, see the module docstring). A `tokenizer` among `generate_kwargs`
+    (`model.generate` reads it for stop strings) also reaches the compression (``kvzip`` needs it).
     """
     check_input_ids(model, input_ids)
     if question_ids is not None:
@@ -106,7 +112,8 @@ def generate_compressed(
         raise PolicyError(BUFFER_NEEDS_SIZE)
     bounded = "a bounded cache (max_tokens, max_bytes)"
     refuse_beams(model, generate_kwargs, bounded if buffer is not None else "a compressed cache")
-    cache = compressed_prompt(model, input_ids, attention_mask, question_ids, policy, budget, buffer, codec)
+    tokenizer = generate_kwargs.get("tokenizer")
+    cache = compressed_prompt(model, input_ids, attention_mask, question_ids, policy, budget, buffer, codec, tokenizer)
     prompt, mask = prompt_with_question(input_ids, attention_mask, question_ids)
     with sieve_attention(model):
         return generate(prompt, attention_mask=mask, past_key_values=cache, **generate_kwargs), cache

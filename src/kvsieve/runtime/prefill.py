@@ -199,7 +199,7 @@ def _check_reconstructable(real: torch.Tensor, tokenizer: PreTrainedTokenizerBas
     if tokenizer is None:
         raise PolicyError(
             "kvzip asks the model to repeat the prompt after it, which needs its tokenizer: "
-            "compress(model, ids, 'kvzip', rate=..., tokenizer=tokenizer)"
+            "compress(model, ids, 'kvzip', rate=..., tokenizer=tokenizer), or tokenizer= to generate()"
         )
     if not bool(real.all()):
         raise PolicyError("kvzip does not score padded batches yet: compress the prompts one at a time")

@@ -4,9 +4,8 @@ prefilled entry keeps the most attention any query of the repetition gave it.
 The repetition is the instruction (`Reconstruction.prompt`, closing the user turn and opening the
 assistant's where the tokenizer has a chat template) followed by the context, `chunk` tokens a
 forward. Each chunk is fed on a copy of the prefilled cache, so it sees the whole context and its
-own repetition; the prefilled cache itself is left as it was. The attention is computed exactly
-(materialised, float32 or wider), which is what a chunk bounds: `[heads, prompt + chunk, n + prompt
-+ chunk]` probabilities per layer.
+own repetition; the prefilled cache itself is left as it was. The probabilities read are exact;
+a chunk bounds the `[heads, prompt + chunk, n]` of them a layer computes at once.
 """
 
 from __future__ import annotations
@@ -39,7 +38,9 @@ def repeat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> torch.
 
 
 class ReconstructionRecorder:
-    """Exact attention for the repetition's forwards; per layer, the most each of the first `context` entries got."""
+    """Attention for the repetition's forwards (`flash_attention` on the CPU, else `materialized_attention`;
+    the cache holds no padding, so the mask is causal); per layer, the most each of the first `context`
+    entries got."""
 
     def __init__(self, context: int) -> None:
         self.context = context
@@ -56,18 +57,43 @@ class ReconstructionRecorder:
         scaling: float,
     ) -> torch.Tensor:
         group = query.shape[1] // key.shape[1]
-        dtype = torch.promote_types(query.dtype, torch.float32)
-        keys = key.repeat_interleave(group, dim=1).to(dtype)
-        length, q = keys.shape[2], query.shape[2]
-        scores = (query.to(dtype) @ keys.transpose(-1, -2)) * scaling
-        positions = torch.arange(length, device=query.device)
-        hidden = positions[None, :] > positions[length - q :, None]  # causal: the cache holds no padding
-        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
-        seen = probs[..., : self.context].amax(dim=2)
+        keys, values = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+        attend = flash_attention if query.device.type == "cpu" else materialized_attention
+        out, seen = attend(query, keys, values, scaling, self.context)
         held = self.most.get(layer_idx)
         self.most[layer_idx] = seen if held is None else torch.maximum(held, seen)
-        out = probs @ value.repeat_interleave(group, dim=1).to(dtype)
-        return out.to(query.dtype).transpose(1, 2).contiguous()
+        return out.transpose(1, 2).contiguous()
+
+
+def _hidden(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`[q, length]` causal: the queries are the last of the keys' positions."""
+    positions = torch.arange(keys.shape[2], device=query.device)
+    return positions[None, :] > positions[keys.shape[2] - query.shape[2] :, None]
+
+
+def flash_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, context: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output `[rows, heads, q, d]`, the most probability each of the first `context` keys got `[rows, heads,
+    context]`): torch's CPU flash kernel gives the output and every query's log-sum-exp, and a probability is
+    `exp(q.k * scale - lse)`, computed for those keys only (every query sees them all)."""
+    bias = torch.zeros(query.shape[2], keys.shape[2], dtype=query.dtype).masked_fill(
+        _hidden(query, keys), float("-inf")
+    )
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = flash(query, keys, values, 0.0, False, attn_mask=bias[None, None], scale=scaling)
+    scores = (query @ keys[:, :, :context].transpose(-1, -2)).to(lse.dtype) * scaling
+    return out, (scores - lse[..., None]).exp().amax(dim=2)
+
+
+def materialized_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, context: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flash_attention`'s result from the whole probability matrix, float32 or wider (any device)."""
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    scores = (query.to(dtype) @ keys.to(dtype).transpose(-1, -2)) * scaling
+    probs = torch.softmax(scores.masked_fill(_hidden(query, keys), float("-inf")), dim=-1)
+    return (probs @ values.to(dtype)).to(query.dtype), probs[..., :context].amax(dim=2)
 
 
 @torch.no_grad()
