@@ -77,6 +77,7 @@ def test_map_command(model_dir, tmp_path):
         (["--policies", "nonsense"], "unknown policy 'nonsense'"),
         (["--rates", "1.5"], "[0, 1)"),
         (["--modes", "sideways"], "modes are agnostic, aware"),
+        (["--policies", "kvzip:chunk=512,kvzip"], "cannot share one prefill"),
     ],
 )
 def test_sweep_bad_input(args, message, tmp_path):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 
 from ...runtime.codecs import Storage
 from ...selection.errors import PolicyError
@@ -81,11 +83,16 @@ def contender(spec: str | Policy) -> CacheMethod:
 def parse_contenders(specs: str | list[str]) -> list[CacheMethod]:
     """Methods from policy specs (``"snapkv+adaptive:window=16,random,kvpress:snapkv"`` or a list).
 
-    The full cache is always first, whether named or not; duplicates are refused.
+    The full cache is always first, whether named or not; duplicates are refused, and so are methods
+    whose needs one shared prefill cannot record together (two kvzip reconstructions).
     """
     items = split_policies(specs) if isinstance(specs, str) else list(specs)
     out: list[CacheMethod] = [FullCache(), *(contender(spec) for spec in items if spec != FULL)]
     names = [c.name for c in out]
     if len(set(names)) != len(names):
         raise PolicyError(f"policies must be distinct, got {', '.join(names[1:])}")
+    try:
+        functools.reduce(operator.or_, (c.needs for c in out))
+    except ValueError as err:
+        raise PolicyError(f"these policies cannot share one prefill: {err}") from None
     return out
