@@ -127,14 +127,17 @@ def _model_folder(name_or_path: str | os.PathLike | None) -> str | os.PathLike:
     return name_or_path
 
 
+def _not_found(name_or_path: str | os.PathLike | None, err: OSError) -> ModelNotFoundError:
+    return ModelNotFoundError(f"could not load {name_or_path!r} as a local directory or Hugging Face id ({err})")
+
+
 def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> PreTrainedTokenizerBase:
     """The tokenizer of a model `load_model` loads (the same names), without loading its weights."""
     with _quiet_transformers():
-        folder = _model_folder(name_or_path)
         try:
-            return AutoTokenizer.from_pretrained(folder)
+            return AutoTokenizer.from_pretrained(_model_folder(name_or_path))
         except OSError as err:
-            raise ModelNotFoundError(f"could not load a tokenizer from {name_or_path!r} ({err})") from err
+            raise _not_found(name_or_path, err) from err
 
 
 def load_model(
@@ -151,15 +154,12 @@ def load_model(
             (Q4_K_M GGUF from optional packages, `make gemma`; its tokenizer prepends BOS), a
             path to a ``.gguf`` file, a local model directory, or a Hugging Face id (needs network).
     """
+    tokenizer = load_tokenizer(name_or_path)
     with _quiet_transformers():
-        folder = _model_folder(name_or_path)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(folder)
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(_model_folder(name_or_path), dtype=dtype)
         except OSError as err:
-            raise ModelNotFoundError(
-                f"could not load {name_or_path!r} as a local directory or Hugging Face id ({err})"
-            ) from err
+            raise _not_found(name_or_path, err) from err
     return model.to(device).eval(), tokenizer
 
 
