@@ -18,9 +18,10 @@ class KVzipScorer:
     """Most attention from any query of the reconstruction pass, the max over a kv-head's query heads.
 
     Question-agnostic: an entry the model needs to reproduce its context is one any later question
-    may need. The reconstruction costs a second prefill of the context (`chunk` tokens a forward,
-    each on the prefilled cache). Scores are attention probabilities, comparable across layers and
-    heads, which is why the paper ranks them under one global budget (``kvzip+global``).
+    may need. The reconstruction is a second pass over the context (`chunk` tokens a forward, each
+    on the prefilled cache), several prefills' worth on a small model (`benchmarks/prefill_overhead.py`).
+    Scores are attention probabilities, comparable across layers and heads, which is why the paper
+    ranks them under one global budget (``kvzip+global``).
     """
 
     name: ClassVar[str] = "kvzip"
