@@ -13,10 +13,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 import kvsieve
 from conftest import tiny_llama
 from kvsieve.harness.compare import KVPRESS_PRESSES, import_kvpress, kvpress_compress, kvpress_ratio, make_press
-from kvsieve.harness.compare.kvpress import PrunedLayer
+from kvsieve.harness.compare.kvpress import PrunedLayer, global_ratio
 from kvsieve.harness.runners import LocalRunner
 from kvsieve.runtime.attention import ATTENTION_NAME, register_sieve_attention, sieve_attention_forward
 from kvsieve.selection.budget import uniform_keep
+from tokenizer import VOCAB_SIZE
 
 kvpress = import_kvpress()  # a plain import: kvpress wraps every registered attention function, harmlessly
 
@@ -166,6 +167,41 @@ def test_adakv_masks_ragged_heads_but_keeps_all_bytes(masked_reference):
     assert (unmasked - ours).abs().max() > 1e-3
 
 
+def test_global_ratio_evicts_as_many_entries_in_total():
+    """kvpress's KVzip evicts int(ratio * entries) over the whole cache: as many as kvsieve's rate from every head."""
+    for n in [34, 100, 257, 1536, 4093]:
+        for heads in [1, 6, 90, 448]:
+            for step in range(0, 100, 7):
+                ratio = global_ratio(step / 100, n, N_PROTECTED, heads)
+                expected = heads * (n - N_PROTECTED - uniform_keep(max(0, n - N_PROTECTED), step / 100))
+                assert int(heads * n * ratio) == max(0, expected), (n, heads, step)
+
+
+@torch.no_grad()
+def test_kvzip_press_masks_across_the_cache_and_keeps_every_byte(masked_reference, tok):
+    """kvpress's KVzip: ragged budgets over layers and heads, kvsieve's total count, the full cache's bytes, and
+    decoding equal to the masked reference; the model's name_or_path is given back."""
+    model = tiny_llama(seed=15, vocab_size=VOCAB_SIZE)
+    ids = torch.randint(3, VOCAB_SIZE, (1, 106), generator=torch.Generator().manual_seed(16))
+    ctx, question = ids[:, :N_CONTEXT], ids[:, N_CONTEXT:]
+    name = model.config.name_or_path
+    pressed = kvpress_compress(model, ctx, "kvzip", 0.5, tokenizer=tok)
+    assert model.config.name_or_path == name
+    n_keep = N_PROTECTED + uniform_keep(N_CONTEXT - N_PROTECTED, 0.5)
+    per_head = pressed.visible.sum(-1)
+    assert int(per_head.sum()) == 3 * 2 * n_keep
+    assert len(set(per_head.flatten().tolist())) > 1, "expected ragged budgets"
+    assert pressed.visible[:, :, :4].all(), "kvpress's KVzip keeps its 4 sink entries"
+    assert pressed.kv_bytes == 3 * 2 * N_CONTEXT * 2 * HEAD_DIM * 4  # masked: nothing is freed
+    with pressed.decoding(model):
+        ours = _logits(model, copy.deepcopy(pressed.cache), question)
+    with masked_reference(model, ctx, _kept_positions(pressed.visible)) as ref:
+        expected = _logits(model, ref.cache, question)
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="kvzip has the model repeat the context: pass the model's tokenizer"):
+        kvpress_compress(model, ctx, "kvzip", 0.5)
+
+
 @torch.no_grad()
 def test_kvsieve_still_works_after_kvpress(masked_reference):
     """With "sieve" wrapped by kvpress's attention patch and after an AdaKV press, kvsieve still decodes exactly."""
@@ -232,21 +268,24 @@ def test_every_press_is_built_with_the_ratio():
 
 @pytest.mark.parametrize("press", KVPRESS_PRESSES)
 @torch.no_grad()
-def test_every_press_holds_kvsieves_count_and_decodes(press):
-    """Each press keeps kvsieve's count per head (AdaKV: per layer), decodes, and leaves the model as it was."""
-    model, ids = tiny_llama(seed=21), _ids(seed=22)
+def test_every_press_holds_kvsieves_count_and_decodes(press, tok):
+    """Each press keeps kvsieve's count per head (AdaKV: per layer, KVzip: in all), decodes, and leaves the model
+    as it was."""
+    model, ids = tiny_llama(seed=21, vocab_size=VOCAB_SIZE), _ids(seed=22)
     ctx, question = ids[:, :N_CONTEXT], ids[:, N_CONTEXT:]
     n_keep = N_PROTECTED + uniform_keep(N_CONTEXT - N_PROTECTED, 0.4)
-    pressed = kvpress_compress(model, ctx, press, 0.4)
+    pressed = kvpress_compress(model, ctx, press, 0.4, tokenizer=tok)
     assert model.config._attn_implementation == "sdpa"
     assert not any(hasattr(layer.self_attn, "rotary_emb") for layer in model.model.layers)
     assert pressed.visible.shape == (3, 2, N_CONTEXT) and pressed.seconds > 0
     if press.startswith("adakv"):
         assert pressed.visible.sum((-1, -2)).tolist() == [2 * n_keep] * 3
+    elif press == "kvzip":
+        assert int(pressed.visible.sum()) == 3 * 2 * n_keep
     else:
         assert (pressed.visible.sum(-1) == n_keep).all()
     logits = pressed.forward(model, question)
-    assert logits.shape == (1, question.shape[-1], 128) and bool(logits.isfinite().all())
+    assert logits.shape == (1, question.shape[-1], VOCAB_SIZE) and bool(logits.isfinite().all())
 
 
 def test_missing_kvpress_says_how_to_install(monkeypatch):

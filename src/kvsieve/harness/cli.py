@@ -427,7 +427,7 @@ def write_eviction_map(
 
 @app.command()
 def sweep(
-    tasks: Annotated[str, typer.Option(help="tasks or suites (ruler, routing), comma-separated")] = "ruler",
+    tasks: Annotated[str, typer.Option(help="tasks or suites (ruler, routing, unseen), comma-separated")] = "ruler",
     policies: Annotated[
         str, typer.Option(help="kvsieve specs and kvpress:<press> names; the full cache is always run")
     ] = "snapkv,expected,importance,random",
@@ -507,7 +507,9 @@ def _default_scalars(model: torch.nn.Module, tokenizer: Any, cell: None) -> list
 
 @app.command()
 def diagnose(
-    tasks: Annotated[str, typer.Option(help="tasks or suites (ruler, routing), comma-separated")] = DIAGNOSTIC_TASKS,
+    tasks: Annotated[
+        str, typer.Option(help="tasks or suites (ruler, routing, unseen), comma-separated")
+    ] = DIAGNOSTIC_TASKS,
     scalars: Annotated[
         str | None, typer.Option(help="ranking scalars swapped into the contract (default: all; trimkv with gates)")
     ] = None,
@@ -684,6 +686,9 @@ def train_gates_command(
     data: Annotated[
         Path | None, typer.Option(help="your corpus: a text file, a folder, or JSONL (default: bundled essays, tasks)")
     ] = None,
+    target: Annotated[
+        str, typer.Option(help="what the gates learn: kl (the full cache's output) or kvzip (KVzip's keep decision)")
+    ] = TrainConfig.target,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
     budget: Annotated[int | None, typer.Option(hidden=True, help="deprecated: --capacity")] = None,
@@ -692,7 +697,7 @@ def train_gates_command(
     entries, where = _capacity_and_scope(capacity, scope, budget)
     settings = {"capacity": entries, "scope": where, "steps": steps, "seq_len": seq_len, "lam": lam, "ntp": ntp}
     settings |= {"lr": lr, "width": width, "per_task": per_task, "kl_tokens": kl_tokens, "seed": seed}
-    settings["teacher_dtype"] = teacher_dtype
+    settings |= {"teacher_dtype": teacher_dtype, "target": target}
     config = _parsed("train-gates", lambda: TrainConfig(**settings))
     name = DEFAULT_MODEL if model == "default" else model
     lm, tokenizer = parse_model(name, device, dtype).load()

@@ -15,7 +15,9 @@ Two kvpress behaviours matter for a fair comparison:
   `model.generate(...)` and `model(...)` calls place new tokens correctly without extra arguments.
 * AdaKV (arXiv 2407.11550) only *masks* entries (kvpress's patched attention replaces their keys
   by keys whose attention underflows to zero); the full cache stays allocated, and `kv_bytes`
-  says so.
+  says so. So does KVzip (``kvzip``, arXiv 2505.23416), which masks after its own reconstruction
+  pass, under one count for the whole cache (`global_ratio`); it loads the model's tokenizer from
+  `model.config.name_or_path`, pointed for the press at a saved copy of the one given.
 
 On a stream (streaming perplexity), `PressStream` runs kvpress's `DecodingPress` around a scorer
 press: the cache is compressed to a fixed number of entries per head after every forward.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -37,7 +40,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from transformers import Cache, DynamicCache
+from transformers import Cache, DynamicCache, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
 from ...runtime.attention import attention_implementation
@@ -59,6 +62,7 @@ KVPRESS_PRESSES: tuple[str, ...] = (
     "observed_attention",
     "expected_attention",
     "adakv_expected_attention",
+    "kvzip",
 )
 
 INSTALL_HINT = 'pip install "kvsieve[compare]"'
@@ -68,6 +72,11 @@ KVPRESS_ATTENTION = "sdpa"
 
 #: Presses whose scores read the prefill's attention weights, which only eager attention returns.
 EAGER_PRESSES = frozenset({"observed_attention"})
+#: Presses that rank every (layer, kv-head, position) entry together, evicting `int(ratio * entries)` over the
+#: whole cache (KVzip, arXiv 2505.23416), and mask what they evict after their own reconstruction pass.
+GLOBAL_PRESSES = frozenset({"kvzip"})
+#: Presses that load the model's tokenizer themselves (from `model.config.name_or_path`).
+TOKENIZER_PRESSES = frozenset({"kvzip"})
 
 # Integer dtype with the bit width of each float element size, to fingerprint rows exactly.
 _BITS_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -103,6 +112,14 @@ def kvpress_ratio(rate: float, n_context: int, n_protected: int) -> float:
     return 1.0 - (keep + 0.5) / n_context
 
 
+def global_ratio(rate: float, n_context: int, n_protected: int, n_heads: int) -> float:
+    """kvpress's `compression_ratio` for a press that evicts `int(ratio * n_heads * n_context)` entries over all
+    `n_heads` (layer, kv-head) pairs at once: as many as kvsieve's `rate` evicts from each head, in total."""
+    rate = check_rate(rate)
+    evicted = n_heads * evicted_count(max(0, n_context - n_protected), rate)
+    return (evicted + 0.5) / (n_heads * n_context) if evicted else 0.0
+
+
 def make_press(name: str, ratio: float) -> Any:
     """The kvpress press called `name` (one of `KVPRESS_PRESSES`) at `compression_ratio=ratio`, kvpress defaults."""
     if name not in KVPRESS_PRESSES:
@@ -119,6 +136,7 @@ def make_press(name: str, ratio: float) -> Any:
         "observed_attention": lambda r: kvpress.ObservedAttentionPress(compression_ratio=r),
         "expected_attention": lambda r: kvpress.ExpectedAttentionPress(compression_ratio=r),
         "adakv_expected_attention": lambda r: kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(compression_ratio=r)),
+        "kvzip": lambda r: kvpress.KVzipPress(compression_ratio=r),
     }
     return factories[name](float(ratio))
 
@@ -218,6 +236,34 @@ def visible_entries(
     return visible
 
 
+def unmasked_entries(
+    masked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, n_heads: int, n: int, device: torch.device
+) -> torch.Tensor:
+    """bool `[kv_heads, n]` on `device`: the entries a masking press (KVzip) left visible, from its masked indices."""
+    visible = torch.ones(n_heads, n, dtype=torch.bool, device=device)
+    if masked is not None:
+        _, heads, positions = masked
+        visible[heads.to(device), positions.to(device)] = False
+    return visible
+
+
+@contextlib.contextmanager
+def _tokenizer_named(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> Iterator[None]:
+    """For the block, `model.config.name_or_path` names a saved copy of `tokenizer` (KVzipPress loads its
+    tokenizer from there); nothing changes without a tokenizer."""
+    if tokenizer is None:
+        yield
+        return
+    previous = model.config.name_or_path
+    with tempfile.TemporaryDirectory(prefix="kvsieve-tokenizer-") as folder:
+        tokenizer.save_pretrained(folder)
+        model.config.name_or_path = folder
+        try:
+            yield
+        finally:
+            model.config.name_or_path = previous
+
+
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The attention module of every decoder layer, as kvpress hooks them."""
     return [attention_module(layer) for layer in decoder_layers(model)]
@@ -311,6 +357,7 @@ def kvpress_compress(
     n_protected: int = DEFAULT_N_SINK + DEFAULT_N_RECENT,
     kv_bits: int = 16,
     kv_group: int = DEFAULT_GROUP,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> PressedCache:
     """Prefill `context_ids` (`[1, n]`) under the kvpress press `press` at kvsieve's eviction `rate`.
 
@@ -319,14 +366,23 @@ def kvpress_compress(
 
     The ratio given to kvpress evicts the same number of entries per head as kvsieve's policies do
     at `rate` with `n_protected` protected entries (kvsieve's sinks and recent tail by default; see
-    `kvpress_ratio`). The model runs on SDPA (eager for `observed_attention`) during the prefill
-    and gets its previous attention back afterwards.
+    `kvpress_ratio`); for a press that ranks the whole cache at once (`kvzip`), as many in total
+    (`global_ratio`). The model runs on SDPA (eager for `observed_attention`) during the prefill
+    and gets its previous attention back afterwards. `kvzip` asks the model to repeat the context
+    and needs its `tokenizer`.
     """
     if not isinstance(context_ids, torch.Tensor) or context_ids.ndim != 2 or context_ids.shape[0] != 1:
         raise ValueError("context_ids must be a LongTensor of shape [1, tokens]")
+    if press in TOKENIZER_PRESSES and tokenizer is None:
+        raise ValueError(f"kvpress's {press} has the model repeat the context: pass the model's tokenizer")
     n_context = int(context_ids.shape[-1])
     check_kv_bits(kv_bits)
-    pressed = make_press(press, kvpress_ratio(rate, n_context, n_protected))
+    modules = _attention_modules(model)
+    if press in GLOBAL_PRESSES:
+        ratio = global_ratio(rate, n_context, n_protected, len(modules) * model.config.num_key_value_heads)
+    else:
+        ratio = kvpress_ratio(rate, n_context, n_protected)
+    pressed = make_press(press, ratio)
     visible: dict[int, torch.Tensor] = {}
     masked: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     bookkeeping = [0.0]
@@ -353,16 +409,23 @@ def kvpress_compress(
 
     pressed.compress = recording_compress
     cache = DynamicCache() if kv_bits == 16 else quantized_cache(model.config, kv_bits, kv_group)
-    modules = _attention_modules(model)
     implementation = "eager" if press in EAGER_PRESSES else KVPRESS_ATTENTION
+    named = tokenizer if press in TOKENIZER_PRESSES else None
     try:
-        with attention_implementation(model, implementation):
+        with attention_implementation(model, implementation), _tokenizer_named(model, named):
             _synchronize(context_ids.device)
             start = time.perf_counter()
             with _pressing(pressed, model):
                 model.model(input_ids=context_ids, past_key_values=cache)
             _synchronize(context_ids.device)
             seconds = time.perf_counter() - start - bookkeeping[0]
+        if press in GLOBAL_PRESSES:  # it masks after its reconstruction, outside `compress`
+            heads = model.config.num_key_value_heads
+            for layer_idx, module in enumerate(modules):
+                indices = getattr(module, "masked_key_indices", None)
+                if indices is not None:
+                    masked[layer_idx] = indices
+                visible[layer_idx] = unmasked_entries(indices, heads, n_context, context_ids.device)
     finally:
         for module in modules:
             module.masked_key_indices = None  # kept in the PressedCache, applied only inside decoding()

@@ -419,6 +419,7 @@ def _plan_multi_entity(rng: random.Random, index: int, seed: int) -> _Plan:
     )
     question, prefix = relation.ask(*_named(names[asked]))
     meta = {"relation": relation.name, "entity": names[asked], "distractors": len(names) - 1, "hops": 1}
+    meta |= {"entities": names, "values": values}  # every person and value (`question_sets` asks about each)
     others = tuple(v for i, v in enumerate(values) if i != asked)  # the other people's values of the relation
     return _Plan(blocks, question, (values[asked],), prefix, meta=meta, candidates=others)
 
@@ -505,6 +506,8 @@ def _plan_hops(rng: random.Random, index: int, seed: int) -> _Plan:
         "hops": hops,
         "chain": (*(k.name for k in kinships), end.name),
         "distractors": len(decoys),
+        "people": people,  # the chain's people, in order, and each one's value of the end relation
+        "values": values,
     }
     # the decoys' values: what following the chain one hop (or two) too few answers
     return _Plan(

@@ -1,4 +1,5 @@
-"""The eleven RULER tasks that need no downloaded data (arXiv 2404.06654), generated offline and seeded.
+"""The eleven RULER tasks that need no downloaded data (arXiv 2404.06654), generated offline and seeded, and
+two needle tasks in formats of our own (`UNSEEN_TASKS`), which no training set of the gates uses.
 
 Configurations follow RULER's ``scripts/synthetic.yaml`` and its generators: needle-in-a-haystack
 variants (``niah_*``), variable tracking (``vt``: one chain of four hops, with a one-shot example),
@@ -41,8 +42,70 @@ MIN_FILL = 0.9
 
 
 @dataclass(frozen=True)
+class NeedleFormat:
+    """How a needle is written, introduced and asked about.
+
+    Templates take ``{key}``, ``{value}`` (the needle), ``{kind}`` (the value type, singular: ``"number"``),
+    ``{kinds}`` (plural) and ``{query}`` (the asked key, or RULER's ``"a, b, and c"`` for several). The
+    ``*_many`` forms ask for several values at once; a format without them asks for one value only.
+    """
+
+    name: str
+    sentence: str
+    preamble: str
+    question: str
+    prefix: str
+    preamble_many: str = ""
+    question_many: str = ""
+    prefix_many: str = ""
+
+    def asks(self, single: bool, kind: str, query: str) -> tuple[str, str, str]:
+        """`(preamble, question, answer prefix)` asking for one value (`single`) or several."""
+        if not single and not self.question_many:
+            raise ValueError(f"needle format {self.name!r} asks for one value only")
+        templates = (self.preamble, self.question, self.prefix) if single else (
+            self.preamble_many, self.question_many, self.prefix_many
+        )  # fmt: skip
+        fields = {"kind": kind[:-1], "kinds": kind, "query": query}
+        return tuple(template.format(**fields) for template in templates)  # type: ignore[return-value]
+
+    def needle(self, key: str, value: str, value_type: str) -> str:
+        return self.sentence.format(key=key, value=value, kind=value_type[:-1], kinds=value_type)
+
+
+_MEMORIZE = " Make sure to memorize it. I will quiz you about the {} afterwards.\n"
+#: RULER's own needles ("One of the special magic numbers for ... is: ...").
+RULER_FORMAT = NeedleFormat(
+    "ruler",
+    hs.NEEDLE.replace("{kind}", "{kinds}"),
+    "A special magic {kind} is hidden within the following text." + _MEMORIZE.format("{kind}"),
+    "What is the special magic {kind} for {query} mentioned in the provided text?",
+    "The special magic {kind} for {query} mentioned in the provided text is",
+    "Some special magic {kinds} are hidden within the following text." + _MEMORIZE.format("{kinds}"),
+    "What are all the special magic {kinds} for {query} mentioned in the provided text?",
+    "The special magic {kinds} for {query} mentioned in the provided text are",
+)
+#: Needle formats no training set of the gates uses (`UNSEEN_TASKS`): they tell "learned RULER's format"
+#: from "learned what matters".
+LEDGER_FORMAT = NeedleFormat(
+    "ledger",
+    "The ledger lists account {key} with a closing balance of {value}.",
+    "An account balance is recorded somewhere in the following text. Remember it; you will be asked for it.\n",
+    "What closing balance does the ledger list for account {query}?",
+    "The closing balance of account {query} is",
+)
+LOCKER_FORMAT = NeedleFormat(
+    "locker",
+    "Locker {key} at the old station opens with the code {value}.",
+    "A locker code appears somewhere in the following text. Keep it in mind; I will ask for the code later.\n",
+    "Which code opens locker {query}?",
+    "Locker {query} opens with the code",
+)
+
+
+@dataclass(frozen=True)
 class NiahConfig:
-    """One needle-in-a-haystack variant (RULER's ``niah`` arguments)."""
+    """One needle-in-a-haystack variant (RULER's ``niah`` arguments) and how its needles are written."""
 
     haystack: str  # "noise", "essay" or "needle"
     key_type: str
@@ -51,6 +114,12 @@ class NiahConfig:
     n_values: int = 1
     n_queries: int = 1
     max_new_tokens: int = 24
+    format: NeedleFormat = RULER_FORMAT
+
+    @property
+    def single(self) -> bool:
+        """Whether a question asks for one value."""
+        return self.n_queries * self.n_values == 1
 
 
 NIAH_CONFIGS: dict[str, NiahConfig] = {
@@ -62,7 +131,12 @@ NIAH_CONFIGS: dict[str, NiahConfig] = {
     "niah_multikey_3": NiahConfig("needle", "uuids", "uuids", max_new_tokens=48),
     "niah_multivalue": NiahConfig("essay", "words", "numbers", n_values=4, max_new_tokens=48),
     "niah_multiquery": NiahConfig("essay", "words", "numbers", n_queries=4, max_new_tokens=48),
+    # the unseen formats: several needles of one format, one asked (as niah_multikey_1)
+    "niah_ledger": NiahConfig("essay", "words", "numbers", n_keys=4, format=LEDGER_FORMAT),
+    "niah_locker": NiahConfig("noise", "numbers", "numbers", n_keys=4, format=LOCKER_FORMAT),
 }
+#: Needle tasks in formats no training set of the gates uses (the ``unseen`` suite; never in ``ruler``).
+UNSEEN_TASKS: tuple[str, ...] = ("niah_ledger", "niah_locker")
 #: RULER's needle depths for the essay haystack: 40 percentages spread evenly over [0, 100].
 ESSAY_DEPTHS: tuple[int, ...] = tuple(round(100 * i / 39) for i in range(40))
 
@@ -179,7 +253,7 @@ def _sample(task: str, index: int, context: str, spans: list[tuple[str, int, int
     meta["evidence_depths"] = [round(start / len(context), 4) for _, start, _ in spans]
     return TaskSample(
         task=task,
-        suite="ruler",
+        suite="unseen" if task in UNSEEN_TASKS else "ruler",
         index=index,
         context=context,
         evidence=tuple((start, end) for _, start, end in spans),
@@ -203,20 +277,10 @@ def _niah(task: str, index: int, rng: random.Random, length: int) -> tuple[Build
     queried = rng.sample(range(n_keys), cfg.n_queries)
     distractor_seed = rng.getrandbits(63)
 
-    single = cfg.n_queries * cfg.n_values == 1
-    kind = cfg.value_type[:-1] if single else cfg.value_type
-    query = english_list([keys[q] for q in queried])
-    if single:
-        preamble = f"A special magic {kind} is hidden within the following text."
-        question = f"What is the special magic {kind} for {query} mentioned in the provided text?"
-        prefix = f"The special magic {kind} for {query} mentioned in the provided text is"
-    else:
-        preamble = f"Some special magic {kind} are hidden within the following text."
-        question = f"What are all the special magic {kind} for {query} mentioned in the provided text?"
-        prefix = f"The special magic {kind} for {query} mentioned in the provided text are"
-    preamble += f" Make sure to memorize it. I will quiz you about the {kind} afterwards.\n"
+    single = cfg.single
+    preamble, question, prefix = cfg.format.asks(single, cfg.value_type, english_list([keys[q] for q in queried]))
     answers = tuple(v for q in queried for v in values[q])
-    inserts: list[Piece] = [(hs.needle_sentence(keys[k], values[k][v], cfg.value_type), str(k)) for k, v in needles]
+    inserts: list[Piece] = [(cfg.format.needle(keys[k], values[k][v], cfg.value_type), str(k)) for k, v in needles]
     relevant = {str(q) for q in queried}
     # values of the needles with keys that are not asked about (multikey: the other inserted needles)
     unasked = [v for k in range(n_keys) if k not in queried for v in values[k]]
@@ -228,7 +292,7 @@ def _niah(task: str, index: int, rng: random.Random, length: int) -> tuple[Build
         if cfg.haystack == "noise":
             return hs.noise_units(size), []
         items = hs.needle_items(size, distractor_seed, cfg.key_type, cfg.value_type, frozenset(keys))
-        return [hs.needle_sentence(k, v, cfg.value_type) for k, v in items], [v for _, v in items]
+        return [cfg.format.needle(k, v, cfg.value_type) for k, v in items], [v for _, v in items]
 
     def competing(haystack_values: list[str]) -> tuple[str, ...]:
         """Every other value in the context, written as `gold` is (a single asked value only)."""
@@ -473,7 +537,7 @@ def ruler_samples(
     depths from its own generator, so samples differ across indices and seeds. See `encode` for `chat`.
     """
     if task not in _BUILDERS:
-        raise ValueError(f"unknown RULER task {task!r}; choose one of {RULER_TASKS}")
+        raise ValueError(f"unknown RULER task {task!r}; choose one of {RULER_TASKS + UNSEEN_TASKS}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     samples: list[TaskSample] = []

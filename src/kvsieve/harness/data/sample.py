@@ -23,7 +23,7 @@ class TaskSample:
 
     Attributes:
         task: the task's name, e.g. ``"niah_single_1"`` or ``"hops"``.
-        suite: ``"ruler"`` or ``"routing"``.
+        suite: ``"ruler"``, ``"routing"`` or ``"unseen"`` (needle formats the gates never saw).
         index: the sample's number within its task (with the seed, it fixes the sample).
         context: the text that is compressed (question-agnostic: before the question is seen).
         question: what is asked about the context (an instruction or a question).

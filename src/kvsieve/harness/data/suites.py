@@ -1,27 +1,32 @@
-"""Task names -> samples: the RULER-style tasks and the routing probe families, by name or by suite."""
+"""Task names -> samples: the RULER-style tasks, the routing probe families and the needles in unseen formats,
+by name or by suite."""
 
 from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
 from .routing import ROUTING_FAMILIES, routing_samples
-from .ruler import RULER_TASKS, ruler_samples
+from .ruler import RULER_TASKS, UNSEEN_TASKS, ruler_samples
 from .sample import TaskSample
 
-SUITES: dict[str, tuple[str, ...]] = {"ruler": RULER_TASKS, "routing": ROUTING_FAMILIES}
+#: ``unseen``: needle formats no training set of the gates uses (`harness.training.data.TRAINING_TASKS` is
+#: ``ruler,routing``).
+SUITES: dict[str, tuple[str, ...]] = {"ruler": RULER_TASKS, "routing": ROUTING_FAMILIES, "unseen": UNSEEN_TASKS}
+TASKS: tuple[str, ...] = tuple(task for tasks in SUITES.values() for task in tasks)
 
 
 def resolve_tasks(names: str | list[str]) -> list[str]:
-    """Expand suite names (``ruler``, ``routing``) and check task names; order kept, duplicates dropped."""
+    """Expand suite names (``ruler``, ``routing``, ``unseen``) and check task names; order kept, duplicates
+    dropped."""
     items = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
     tasks: list[str] = []
     for name in filter(None, items):
         if name in SUITES:
             tasks += SUITES[name]
-        elif name in RULER_TASKS or name in ROUTING_FAMILIES:
+        elif name in TASKS:
             tasks.append(name)
         else:
-            known = ", ".join([*SUITES, *RULER_TASKS, *ROUTING_FAMILIES])
+            known = ", ".join([*SUITES, *TASKS])
             raise ValueError(f"unknown task {name!r}; known: {known}")
     if not tasks:
         raise ValueError("no task given")
@@ -39,6 +44,6 @@ def task_samples(
     """`n` samples of every named task (suites expand), each prompt about `length` tokens."""
     samples: list[TaskSample] = []
     for task in resolve_tasks(names):
-        make = ruler_samples if task in RULER_TASKS else routing_samples
+        make = routing_samples if task in ROUTING_FAMILIES else ruler_samples
         samples += make(task, tokenizer, length=length, n=n, seed=seed, chat=chat)
     return samples

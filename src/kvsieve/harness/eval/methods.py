@@ -298,7 +298,15 @@ class PressCompression:
             raise ValueError("kvpress configurations are compressed one at a time")
         (method, rate) = todo[0]
         n_protected = DEFAULT_N_SINK + DEFAULT_N_RECENT + case.n_question
-        pressed = kvpress_compress(model, case.ids, method.press, rate, n_protected=n_protected, kv_bits=method.kv_bits)
+        pressed = kvpress_compress(
+            model,
+            case.ids,
+            method.press,
+            rate,
+            n_protected=n_protected,
+            kv_bits=method.kv_bits,
+            tokenizer=case.tokenizer,
+        )
         visible = pressed.visible[..., : case.n_context]
         return Compressed(
             pressed.cache, [pressed.kv_bytes], [visible], functools.partial(pressed.decoding, model), pressed.max_feed

@@ -135,7 +135,8 @@ def sample_survival(model: torch.nn.Module, tokenizer: Any, cell: SurvivalCell) 
     return survival.cpu(), encoded.evidence_positions.cpu()
 
 
-def _answer_row(encoded: EncodedSample, response: Response, tokenizer: Any) -> dict[str, Any]:
+def answer_row(encoded: EncodedSample, response: Response, tokenizer: Any) -> dict[str, Any]:
+    """The columns of a row that say how the model answered: its output, the verdict, the gold answer's statistics."""
     output = tokenizer.decode(response.tokens, skip_special_tokens=True).strip()
     verdict = judge(output, encoded.sample)
     return {
@@ -178,7 +179,7 @@ def _run_configurations(
             "kv_bytes_full": int(full_bytes),
             "kept_entries": int(survival.sum()),
             "seconds": seconds,
-            **_answer_row(encoded, response, tokenizer),
+            **answer_row(encoded, response, tokenizer),
         }
         if diagnostics:
             observations = case.prefill(model).observations[0]

@@ -2,9 +2,11 @@
 
 Each step feeds one sequence twice: once with the model's own attention (the teacher: the full
 cache), once under soft retention (the student). Loss = quality (forward KL to the teacher, averaged
-with the next-token loss if asked) + `lam` x capacity hinge (`kvsieve.harness.training.losses`). Only the gates
-receive gradients; the model is not modified. Progress is saved every `save_every` steps, and a
-rerun with the same arguments resumes from there; with the same seed, a run is repeatable.
+with the next-token loss if asked) + `lam` x capacity hinge (`kvsieve.harness.training.losses`). With
+``target="kvzip"`` the teacher is KVzip's keep decision instead (`kvsieve.harness.training.kvzip_target`:
+the model runs forward only). Only the gates receive gradients; the model is not modified. Progress is
+saved every `save_every` steps, and a rerun with the same arguments resumes from there; with the same
+seed, a run is repeatable.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ from ...selection.gates import DEFAULT_BIAS_INIT, DEFAULT_WIDTH, RetentionGates,
 from ...selection.rotary import find_rotary
 from ..progress import progress_bar
 from .data import TrainingData, training_data
+from .kvzip_target import kvzip_step
 from .losses import SCOPES, capacity_loss, forward_kl, next_token_loss
 from .retention import RetentionTape, soft_retention
 
 STATE_FILE = "train_state.pt"
 TEACHER_DTYPES = (None, "bfloat16", "float16")
+#: What the gates learn: the full cache's next-token distribution (KL), or KVzip's keep decision at the capacity.
+TARGETS = ("kl", "kvzip")
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,9 @@ class TrainConfig:
             units (`benchmarks/train_speed.py --teacher-bfloat16`; quality: `benchmarks/gates_quality.py`).
         seed: fixes the gates' initialisation, the data order and the drawn positions.
         save_every: steps between resumable saves.
+        target: ``"kl"`` (distil the full cache through soft retention) or ``"kvzip"`` (predict KVzip's keep
+            decision at `capacity`, Fast KVzip's target, arXiv 2601.17668; `lam`, `scope`, `ntp`, `kl_tokens`
+            and `teacher_dtype` do not apply).
     """
 
     capacity: int = 128
@@ -72,8 +80,11 @@ class TrainConfig:
     teacher_dtype: str | None = None
     seed: int = 0
     save_every: int = 25
+    target: str = "kl"
 
     def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise ValueError(f"target must be one of {TARGETS}, got {self.target!r}")
         if self.scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
         if self.teacher_dtype not in TEACHER_DTYPES:
@@ -164,19 +175,23 @@ def train_gates(
     draws = torch.Generator().manual_seed(config.seed)
     for _ in range(step):  # a resumed run draws the positions the uninterrupted one would
         loss_positions(config.seq_len, config.kl_tokens, draws)
-    fields = "kl {task.fields[kl]:.4f} cap {task.fields[cap]:.4f}"
-    with progress_bar("train-gates", fields=fields, visible=show_progress, kl=0.0, cap=0.0) as progress:
+    with progress_bar(
+        "train-gates", fields="loss {task.fields[loss]:.4f}", visible=show_progress, loss=0.0
+    ) as progress:
         progress(step, config.steps)
         while step < config.steps:
             start = time.perf_counter()
             ids = data.sequences[step % len(data.sequences)].to(model.device)
-            positions = loss_positions(ids.shape[1], config.kl_tokens, draws)
-            terms = train_step(model, gates, tape, ids, config, positions)
+            if config.target == "kvzip":
+                terms = kvzip_step(model, tokenizer, gates, ids, config.capacity)
+            else:
+                positions = loss_positions(ids.shape[1], config.kl_tokens, draws)
+                terms = train_step(model, gates, tape, ids, config, positions)
             optimizer.zero_grad()
             torch.autograd.backward(terms["loss"], inputs=list(gates.parameters()))
             optimizer.step()
             step, seconds = step + 1, seconds + time.perf_counter() - start
-            progress(step, config.steps, kl=terms["kl"].item(), cap=terms["capacity"].item())
+            progress(step, config.steps, loss=terms["loss"].item())
             if step % config.save_every == 0 or step == config.steps:
                 state = {"gates": gates.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
                 torch.save(state | {"seconds": seconds, "config": dataclasses.asdict(config)}, out / STATE_FILE)

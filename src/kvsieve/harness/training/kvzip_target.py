@@ -1,0 +1,78 @@
+"""Gates taught by KVzip (as Fast KVzip does, arXiv 2601.17668): KVzip's keep decision as the training target.
+
+For each training sequence, KVzip under one global budget (``kvzip+global``: the model repeats the
+sequence, each entry keeps the most attention a repetition query gave it, one top-k over every layer
+and head) decides which entries a cache of `capacity` entries per (layer, kv-head) keeps. The gates
+are trained so that each entry's survival at the next step, `beta_i^(n - i)`, predicts that decision
+(binary cross-entropy over the entries a policy may evict: the sinks and the recent tail are kept
+anyway), the score the ``trimkv`` scorer ranks by. The model runs forward only; the gates read each
+entry's key (RoPE undone) and value, as they do when they score a cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ...runtime.prefill import observe_prefill
+from ...selection.budget import MaxTokens
+from ...selection.gates import RetentionGates
+from ...selection.observation import Needs, Observation
+from ...selection.policy import Policy
+from ...selection.protection import protected_mask
+from ...selection.rotary import unrotate
+from ...selection.spec import make_policy
+
+#: The teacher: KVzip's scores under one global budget (the paper's setting).
+KVZIP_TEACHER = "kvzip+global"
+
+
+def kvzip_keep(observations: list[Observation], teacher: Policy, capacity: int) -> list[torch.Tensor]:
+    """Per observed layer, bool `[kv_heads, n]`: the entries `teacher` keeps at `capacity` entries per head."""
+    kept = teacher.select(observations, MaxTokens(capacity))
+    masks = []
+    for obs, heads in zip(observations, kept, strict=True):
+        mask = torch.zeros(obs.num_kv_heads, obs.length, dtype=torch.bool, device=obs.keys.device)
+        for head, index in enumerate(heads):
+            mask[head, index] = True
+        masks.append(mask)
+    return masks
+
+
+def log_survival(gates: RetentionGates, obs: Observation) -> torch.Tensor:
+    """`[kv_heads, n]` `(n - i) * log beta_i`: the log-probability that entry `i` survives to the next step."""
+    positions = obs.positions.clamp(min=0)
+    cos, sin = obs.rotary(positions.flatten())
+    keys = unrotate(obs.keys.float(), *(x.view(*positions.shape, -1) for x in (cos, sin)))
+    log_beta = gates.log_beta(obs.layer_idx, keys, obs.values.float())
+    return (obs.length - obs.positions).to(log_beta.dtype) * log_beta
+
+
+def keep_loss(log_p: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Binary cross-entropy of survival probabilities `exp(log_p)` against the keep decision, from the log."""
+    log_p = log_p.clamp(max=-1e-6)  # a probability of exactly 1 would make log(1 - p) infinite
+    log_not = torch.log(-torch.expm1(log_p))
+    return -torch.where(keep, log_p, log_not).mean()
+
+
+def kvzip_step(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    gates: RetentionGates,
+    ids: torch.Tensor,
+    capacity: int,
+) -> dict[str, torch.Tensor]:
+    """One sequence: KVzip's keep decision at `capacity`, the gates' loss against it (graph kept), and the share of
+    KVzip's kept entries the gates rank first (`recall`)."""
+    teacher = make_policy(KVZIP_TEACHER)
+    with torch.no_grad():
+        prefill = observe_prefill(model, ids, Needs(rotary=True) | teacher.needs, tokenizer=tokenizer)
+    observations = prefill.observations[0]
+    keep = kvzip_keep(observations, teacher, capacity)
+    # the sinks and the recent tail are kept whatever the scores say: they teach nothing
+    scored = [~protected_mask(obs, teacher.n_sink, teacher.n_recent) for obs in observations]
+    log_p = torch.cat([log_survival(gates, obs)[mask] for obs, mask in zip(observations, scored, strict=True)])
+    target = torch.cat([kept[mask] for kept, mask in zip(keep, scored, strict=True)])
+    with torch.no_grad():  # of the entries KVzip keeps, the share the gates rank among as many of their best
+        recall = target[log_p.topk(int(target.sum())).indices].float().mean()
+    return {"loss": keep_loss(log_p, target), "recall": recall}
