@@ -5,7 +5,7 @@ continuation 512, rates 0.5 / 0.7 / 0.8 / 0.9), `trimkv+global` with each checkp
 against the full cache, and the paired difference against the shipped gates (bootstrap over
 documents). Used for the gates of the fast trainer (float32 and bfloat16) against kvsieve 0.1's.
 
-    python benchmarks/gates_quality.py --gates fast=DIR [bf16=DIR ...]
+    python benchmarks/gates_quality.py --gates fast=DIR [bf16=DIR ...] [--out gates_quality]
 """
 
 from __future__ import annotations
@@ -75,13 +75,14 @@ def markdown(report: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gates", nargs="+", required=True, help="NAME=DIR checkpoints to compare")
+    parser.add_argument("--out", default="gates_quality", help="the results' file stem under benchmarks/results/")
     args = parser.parse_args()
     checkpoints = dict(item.split("=", 1) for item in args.gates)
     report = measure(checkpoints)
     print(markdown(report))
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "gates_quality.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / "gates_quality.md").write_text(markdown(report))
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / f"{args.out}.md").write_text(markdown(report))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,110 @@
+"""Gates taught by KVzip against the shipped gates (taught by the full cache), on needle formats they never saw.
+
+Trains gates for the default model with `train-gates --target kvzip` (Fast KVzip's target, arXiv
+2601.17668: KVzip's keep decision at the capacity), with every other setting as the shipped gates
+were trained (same data, capacity 128, 160 steps of 1,024 tokens, seed 0), then runs both, and their
+teacher `kvzip+global`, question-agnostic at 50 / 75 / 90% on `--samples` samples of: needles in
+RULER's format (seen in training: `niah_single_2`, `niah_multikey_1`), needles in the two formats no
+training set uses (`niah_ledger`, `niah_locker`), and the routing families `multi_entity` and `hops`.
+Writes benchmarks/results/kvzip_gates{.json,.md}; the gates go to `--gates` (a rerun resumes there).
+
+    python benchmarks/kvzip_gates.py [--samples 10] [--length 1536] [--gates ~/.cache/kvsieve/gates/smollm2-135m-kvzip]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import pandas as pd
+from rich.console import Console
+
+from kvsieve.harness.data.suites import task_samples
+from kvsieve.harness.eval.sweep import run_sweep
+from kvsieve.harness.models import DEFAULT_MODEL, ModelChoice, cache_home
+from kvsieve.harness.progress import progress_bar
+from kvsieve.harness.report import markdown_table
+from kvsieve.harness.runners import LocalRunner
+from kvsieve.harness.training.data import training_data
+from kvsieve.harness.training.train import TrainConfig, train_gates
+
+RESULTS = Path(__file__).parent / "results"
+RATES = [0.5, 0.75, 0.9]
+GROUPS = {
+    "needles, RULER's format (seen)": ("niah_single_2", "niah_multikey_1"),
+    "needles, unseen formats": ("niah_ledger", "niah_locker"),
+    "routing": ("multi_entity", "hops"),
+}
+
+
+def train(model, tokenizer, out: Path) -> dict:
+    """Gates taught by KVzip, trained (or resumed) in `out`; what the training recorded."""
+    config = TrainConfig(target="kvzip")
+    data = training_data(tokenizer, config.seq_len, config.per_task, config.seed)
+    _, record = train_gates(model, tokenizer, config, out, DEFAULT_MODEL, data=data)
+    return {
+        "seconds": record.seconds,
+        "steps": record.steps,
+        "capacity": record.capacity,
+        "sequences": len(data.sequences),
+    }
+
+
+def markdown(rows: pd.DataFrame, labels: dict[str, str]) -> str:
+    """Correct answers per policy and group of tasks at each rate, and the mean gold log-prob of each group."""
+    rates = " / ".join(f"{r:.0%}" for r in RATES)
+    correct, logprob = [], []
+    for policy, name in labels.items():
+        mine = rows[rows["policy"] == policy]
+        counts, means = [], []
+        for tasks in GROUPS.values():
+            by_rate = mine[mine["task"].isin(tasks)].groupby("rate")
+            counts.append(
+                " / ".join(str(int(s.sum())) for _, s in by_rate["correct"]) + f" of {by_rate.size().iloc[0]}"
+            )
+            means.append(" / ".join(f"{m:.2f}" for m in by_rate["gold_logprob"].mean()))
+        correct.append([name, *counts])
+        logprob.append([name, *means])
+    first = markdown_table(["policy", *(f"{group}: correct at {rates}" for group in GROUPS)], correct)
+    second = markdown_table(["policy", *(f"{group}: gold log-prob at {rates}" for group in GROUPS)], logprob)
+    return first + "\n\n" + second + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=10)
+    parser.add_argument("--length", type=int, default=1536)
+    parser.add_argument("--gates", type=Path, default=cache_home() / "gates" / "smollm2-135m-kvzip")
+    args = parser.parse_args()
+    model, tokenizer = ModelChoice().load()
+    training = train(model, tokenizer, args.gates)
+    taught = f"trimkv+global:gates={args.gates}"
+    labels = {
+        "full": "full cache",
+        "trimkv+global": "trimkv+global (shipped gates: the full cache's output)",
+        taught: "trimkv+global (gates taught by KVzip)",
+        "kvzip+global": "kvzip+global (the teacher)",
+    }
+    tasks = [task for group in GROUPS.values() for task in group]
+    samples = task_samples(tasks, tokenizer, length=args.length, n=args.samples, seed=0)
+    start = time.perf_counter()
+    with progress_bar("gates taught by KVzip") as progress:
+        rows = run_sweep(LocalRunner(model, tokenizer), samples, list(labels)[1:], RATES, progress=progress)
+    report = {
+        "training": training,
+        "samples": len(samples),
+        "length": args.length,
+        "seconds": time.perf_counter() - start,
+        "rows": rows.drop(columns=["output"]).assign(policy=rows["policy"].map(labels)).to_dict("records"),
+    }
+    Console().print(markdown(rows, labels))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "kvzip_gates.json").write_text(json.dumps(report, indent=1, default=str))
+    (RESULTS / "kvzip_gates.md").write_text(markdown(rows, labels))
+    print(f"wrote {RESULTS / 'kvzip_gates.json'}")
+
+
+if __name__ == "__main__":
+    main()
