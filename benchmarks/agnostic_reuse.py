@@ -31,6 +31,8 @@ RESULTS = Path(__file__).parent / "results"
 POLICIES = ["trimkv+global", "kvzip+global", "kvzip", "expected", "streaming", "kvpress:kvzip"]
 FIRST_QUESTION = ["snapkv"]
 RATES = [0.5, 0.75, 0.9]
+#: What the JSON keeps of each row.
+COLUMNS = ["context", "task", "question", "compressed_with", "policy", "rate", "kv_bytes", "correct", "gold_logprob"]
 #: Columns of the table: groups of tasks.
 GROUPS = {
     "needles, RULER's format": ("niah_multikey_1",),
@@ -105,7 +107,7 @@ def main() -> None:
         "questions": sum(len(s) for s in sets),
         "length": args.length,
         "seconds": time.perf_counter() - start,
-        "rows": rows.drop(columns=["output"]).to_dict("records"),
+        "rows": rows[COLUMNS].to_dict("records"),
     }
     Console().print(markdown(rows))
     RESULTS.mkdir(exist_ok=True)

@@ -32,6 +32,8 @@ from kvsieve.harness.training.train import TrainConfig, train_gates
 
 RESULTS = Path(__file__).parent / "results"
 RATES = [0.5, 0.75, 0.9]
+#: What the JSON keeps of each row.
+COLUMNS = ["sample", "task", "policy", "rate", "kv_bytes", "correct", "gold_logprob"]
 GROUPS = {
     "needles, RULER's format (seen)": ("niah_single_2", "niah_multikey_1"),
     "needles, unseen formats": ("niah_ledger", "niah_locker"),
@@ -97,7 +99,7 @@ def main() -> None:
         "samples": len(samples),
         "length": args.length,
         "seconds": time.perf_counter() - start,
-        "rows": rows.drop(columns=["output"]).assign(policy=rows["policy"].map(labels)).to_dict("records"),
+        "rows": rows[COLUMNS].assign(policy=rows["policy"].map(labels)).to_dict("records"),
     }
     Console().print(markdown(rows, labels))
     RESULTS.mkdir(exist_ok=True)
