@@ -230,20 +230,14 @@ def visible_entries(
             full_rows = torch.cat([full_keys[0, h], full_values[0, h]], dim=-1)
             kept_rows = torch.cat([kept_keys[0, h], kept_values[0, h]], dim=-1)
             visible[h, match_rows(full_rows, kept_rows)] = True
+    return hide_masked(visible, masked)
+
+
+def hide_masked(visible: torch.Tensor, masked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """`visible` (bool `[kv_heads, n]`) with a masking press's (batch, head, position) indices set False."""
     if masked is not None:
         _, heads, positions = masked
         visible[heads.to(visible.device), positions.to(visible.device)] = False
-    return visible
-
-
-def unmasked_entries(
-    masked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, n_heads: int, n: int, device: torch.device
-) -> torch.Tensor:
-    """bool `[kv_heads, n]` on `device`: the entries a masking press (KVzip) left visible, from its masked indices."""
-    visible = torch.ones(n_heads, n, dtype=torch.bool, device=device)
-    if masked is not None:
-        _, heads, positions = masked
-        visible[heads.to(device), positions.to(device)] = False
     return visible
 
 
@@ -425,7 +419,8 @@ def kvpress_compress(
                 indices = getattr(module, "masked_key_indices", None)
                 if indices is not None:
                     masked[layer_idx] = indices
-                visible[layer_idx] = unmasked_entries(indices, heads, n_context, context_ids.device)
+                everything = torch.ones(heads, n_context, dtype=torch.bool, device=context_ids.device)
+                visible[layer_idx] = hide_masked(everything, indices)
     finally:
         for module in modules:
             module.masked_key_indices = None  # kept in the PressedCache, applied only inside decoding()

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from transformers import PreTrainedTokenizerBase
 
-from .routing import RELATIONS
+from .routing import RELATIONS, Relation
 from .ruler import NIAH_CONFIGS
 from .sample import TaskSample
 from .suites import task_samples
@@ -66,31 +66,30 @@ def _niah_questions(sample: TaskSample) -> list[TaskSample]:
     return out
 
 
+def _relation_question(
+    sample: TaskSample, relation: Relation, subject: str, answer: str, others: list[str], meta: dict
+) -> TaskSample:
+    """The sample asked `relation` of `subject` (a name), answered by the statement that gives `answer`."""
+    question, prefix = relation.ask(subject, f"{subject}'s")
+    statement = relation.state(subject, f"{subject}'s", answer)
+    return _ask(sample, statement, question, prefix, answer, others, {"entity": subject} | meta)
+
+
 def _entity_questions(sample: TaskSample) -> list[TaskSample]:
     relation = RELATIONS[sample.meta["relation"]]
     names, values = sample.meta["entities"], sample.meta["values"]
-    out = []
-    for name, value in zip(names, values, strict=True):
-        question, prefix = relation.ask(name, f"{name}'s")
-        statement = relation.state(name, f"{name}'s", value)
-        out.append(_ask(sample, statement, question, prefix, value, values, {"entity": name}))
-    return out
+    return [_relation_question(sample, relation, n, v, values, {}) for n, v in zip(names, values, strict=True)]
 
 
 def _hops_questions(sample: TaskSample) -> list[TaskSample]:
     people, values = sample.meta["people"], sample.meta["values"]
     *kinships, end = (RELATIONS[name] for name in sample.meta["chain"])
-    out = []
-    for kinship, person, next_person in zip(kinships, people, people[1:], strict=False):
-        question, prefix = kinship.ask(person, f"{person}'s")
-        statement = kinship.state(person, f"{person}'s", next_person)
-        meta = {"entity": person, "relation": kinship.name, "hops": 1}
-        out.append(_ask(sample, statement, question, prefix, next_person, people, meta))
-    for person, value in zip(people, values, strict=True):
-        question, prefix = end.ask(person, f"{person}'s")
-        statement = end.state(person, f"{person}'s", value)
-        out.append(_ask(sample, statement, question, prefix, value, values, {"entity": person, "hops": 1}))
-    return [*out, sample]
+    links = [
+        _relation_question(sample, kinship, person, next_person, people, {"relation": kinship.name, "hops": 1})
+        for kinship, person, next_person in zip(kinships, people, people[1:], strict=False)
+    ]
+    ends = [_relation_question(sample, end, p, v, values, {"hops": 1}) for p, v in zip(people, values, strict=True)]
+    return [*links, *ends, sample]
 
 
 _QUESTIONS = {

@@ -34,7 +34,7 @@ from .logged_cells import run_logged
 from .methods import CacheMethod, Compressed, Configuration, build, passes
 from .respond import Response, fork
 from .results_log import ResultsLog
-from .sweep import SWEEP_ROWS_PER_PASS, answer_row, prefill_needs, sample_case
+from .sweep import SWEEP_ROWS_PER_PASS, answer_row, prefill_needs, sample_case, split_prompt
 
 #: How a configuration's cache was compressed: before any question, or with the first question in view.
 COMPRESSED_WITH = ("context", "first_question")
@@ -53,7 +53,7 @@ def row_key(row: dict[str, Any]) -> tuple[str, int, str, str, float]:
 
 def answer_from_copy(model: torch.nn.Module, compressed: Compressed, encoded: EncodedSample) -> list[Response]:
     """Every row's answer to `encoded`'s question, from a copy of `compressed`'s cache (which is left as it is)."""
-    prompt = torch.cat([encoded.context_ids, encoded.question_ids], dim=-1)
+    _, prompt = split_prompt(encoded, "agnostic")
     copied = dataclasses.replace(compressed, cache=fork(compressed.cache))
     return copied.answer(model, prompt, encoded.gold_ids, encoded.sample.max_new_tokens, encoded.gold_content_index)
 

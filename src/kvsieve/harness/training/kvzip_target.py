@@ -16,11 +16,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ...runtime.prefill import observe_prefill
 from ...selection.budget import MaxTokens
-from ...selection.gates import RetentionGates
+from ...selection.gates import RetentionGates, retention_scores
 from ...selection.observation import Needs, Observation
 from ...selection.policy import Policy
 from ...selection.protection import protected_mask
-from ...selection.rotary import unrotate
+from ...selection.scorers.trimkv import entry_log_beta
 from ...selection.spec import make_policy
 
 #: The teacher: KVzip's scores under one global budget (the paper's setting).
@@ -40,12 +40,9 @@ def kvzip_keep(observations: list[Observation], teacher: Policy, capacity: int) 
 
 
 def log_survival(gates: RetentionGates, obs: Observation) -> torch.Tensor:
-    """`[kv_heads, n]` `(n - i) * log beta_i`: the log-probability that entry `i` survives to the next step."""
-    positions = obs.positions.clamp(min=0)
-    cos, sin = obs.rotary(positions.flatten())
-    keys = unrotate(obs.keys.float(), *(x.view(*positions.shape, -1) for x in (cos, sin)))
-    log_beta = gates.log_beta(obs.layer_idx, keys, obs.values.float())
-    return (obs.length - obs.positions).to(log_beta.dtype) * log_beta
+    """`[kv_heads, n]` `(n - i) * log beta_i`: the log-probability that entry `i` survives to the next step (the
+    ``trimkv`` score of a prefill, with gradients to the gates)."""
+    return retention_scores(entry_log_beta(gates, obs), obs.positions, obs.length)
 
 
 def keep_loss(log_p: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

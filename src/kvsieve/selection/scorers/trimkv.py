@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from ..checkpoint import DEFAULT_GATES
-from ..gates import retention_scores
+from ..gates import RetentionGates, retention_scores
 from ..observation import Needs, Observation
 from ..rotary import unrotate
 
@@ -34,9 +34,13 @@ class TrimKVScorer:
         gates = obs.stats.gates.get(self.gates)
         if obs.rotary is None or gates is None:
             raise ValueError(f"trimkv needs the rotary embedding and the gates {self.gates!r} (Needs.rotary, .gates)")
-        positions = obs.positions.clamp(min=0)
-        cos, sin = obs.rotary(positions.flatten())
-        keys = unrotate(obs.keys.float(), *(x.view(*positions.shape, -1) for x in (cos, sin)))
-        log_beta = gates.log_beta(obs.layer_idx, keys, obs.values.float())
         now = obs.seen if obs.seen is not None else int(obs.positions.max()) + 1
-        return retention_scores(log_beta, obs.positions, now)
+        return retention_scores(entry_log_beta(gates, obs), obs.positions, now)
+
+
+def entry_log_beta(gates: RetentionGates, obs: Observation) -> torch.Tensor:
+    """`[kv_heads, n]` `log beta` of every observed entry: the gates read its key (RoPE undone) and value."""
+    positions = obs.positions.clamp(min=0)
+    cos, sin = obs.rotary(positions.flatten())
+    keys = unrotate(obs.keys.float(), *(x.view(*positions.shape, -1) for x in (cos, sin)))
+    return gates.log_beta(obs.layer_idx, keys, obs.values.float())
