@@ -7,7 +7,12 @@ and after the last). For each: the most entries per (layer, kv-head) the cache h
 point (averaged over heads), prefill seconds (median of `--repeats`), and the perplexity of the
 next 512 tokens from the compressed cache, next to the full cache's.
 
-    python benchmarks/chunked_prefill.py [--prompt 7680] [--max-tokens 1024] [--chunks 256,512,1024]
+A policy that scores by the model repeating its prompt (`--policy kvzip+global`) repeats every token fed
+so far at each eviction; its peak counts the copy the repetition runs on (held entries, the repeat
+instruction and one piece of the prompt).
+
+    python benchmarks/chunked_prefill.py [--prompt 7680] [--max-tokens 1024] [--chunks 256,512,1024] [--policy snapkv]
+        [--repeats 3] [--out chunked_prefill]
 """
 
 from __future__ import annotations
@@ -48,11 +53,11 @@ class PeakEntries:
         self.handle.remove()
 
 
-def measure(model: torch.nn.Module, ids: torch.Tensor, feed: torch.Tensor, args: argparse.Namespace, chunk: int | None):
+def measure(model: torch.nn.Module, tokenizer, ids: torch.Tensor, feed: torch.Tensor, args, chunk: int | None):
     peaks, seconds = PeakEntries(model), []
     for _ in range(args.repeats):
         tick = time.perf_counter()
-        cache = kvsieve.compress(model, ids, args.policy, max_tokens=args.max_tokens, chunk=chunk)
+        cache = kvsieve.compress(model, ids, args.policy, max_tokens=args.max_tokens, chunk=chunk, tokenizer=tokenizer)
         seconds.append(time.perf_counter() - tick)
     peaks.remove()
     kv_mib = cache.nbytes() / (1 << 20)
@@ -89,6 +94,7 @@ def main() -> None:
     parser.add_argument("--chunks", default="256,512,1024")
     parser.add_argument("--policy", default="snapkv")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="chunked_prefill", help="file stem under benchmarks/results")
     args = parser.parse_args()
     model, tokenizer = kvsieve.load_model()
     text = long_context(tokenizer, args.prompt + CONTINUATION + 1)
@@ -96,8 +102,8 @@ def main() -> None:
     full = kvsieve.observe_prefill(model, ids).cache
     with kvsieve.sieve_attention(model):
         full_ppl = math.exp(continuation_nll(model, full, feed)[0] / CONTINUATION)
-    rows = [measure(model, ids, feed, args, None)]
-    rows += [measure(model, ids, feed, args, int(c)) for c in args.chunks.split(",")]
+    rows = [measure(model, tokenizer, ids, feed, args, None)]
+    rows += [measure(model, tokenizer, ids, feed, args, int(c)) for c in args.chunks.split(",")]
     one_shot = rows[0]["prefill_s"]
     table = Table(
         "prefill",
@@ -124,9 +130,9 @@ def main() -> None:
     Console().print(table)
     RESULTS.mkdir(exist_ok=True)
     report = {**vars(args), "continuation": CONTINUATION, "full_cache_ppl": full_ppl, "rows": rows}
-    (RESULTS / "chunked_prefill.json").write_text(json.dumps(report, indent=2))
-    (RESULTS / "chunked_prefill.md").write_text(markdown(report))
-    print(f"wrote {RESULTS / 'chunked_prefill.json'}")
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(report, indent=2))
+    (RESULTS / f"{args.out}.md").write_text(markdown(report))
+    print(f"wrote {RESULTS / args.out}.{{json,md}}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Learned retention gates (trimkv) against the best heuristics, at equal bytes held, and against the full cache.
+"""Learned retention gates (trimkv) against KVzip and the best heuristics at equal bytes held, and against the full
+cache.
 
 Every stage uses the gates kvsieve ships for the model (`--model`: the default model, or Gemma-3-270M
 at smaller sizes) and only what the gates never saw in training: held-back essays
@@ -49,13 +50,17 @@ RESULTS = Path(__file__).parent / "results"
 LEARNED = ["trimkv+global", "trimkv", "trimkv+adaptive", "trimkv+global:gates=untrained"]
 #: The heuristics, each with the allocator that did best for it in `policy_table` (vatp: global, the rest uniform).
 HEURISTICS = ["importance", "h2o", "vatp+global", "snapkv", "expected"]
+#: KVzip (arXiv 2505.23416), the strongest training-free question-agnostic policy: the paper's global budget first.
+RECONSTRUCTING = ["kvzip+global", "kvzip"]
+#: What the claimant is compared with, paired, in the ppl stage.
+RIVALS = [*RECONSTRUCTING, *HEURISTICS]
 #: The claim is tested for this policy.
 CLAIMANT = "trimkv+global"
 #: Sizes chosen to fit about an hour on 2 CPU cores: 3 samples per task (33 RULER and 21 routing samples per
 #: mode; the pooled rows, task "all", carry the intervals), 5 per needle task and length.
 FULL_RUN = {"docs": 6, "samples": 3, "length": 1024, "stream_docs": 2, "stream_tokens": 8192}
 FULL_RUN |= {"budgets": [256, 512, 1024], "needle_samples": 5, "lengths": "1024,2048,4096"}
-QUICK = {"docs": 2, "samples": 1, "length": 512, "stream_docs": 1, "stream_tokens": 1024}
+QUICK = {"docs": 2, "samples": 1, "length": 1024, "stream_docs": 1, "stream_tokens": 1024}
 QUICK |= {"budgets": [256], "needle_samples": 1, "lengths": "512,1024"}
 #: Gemma-3-270M (`--model gemma3-270m`) costs about twice the default model per token: smaller sizes, about 40 minutes.
 GEMMA_RUN = {"docs": 4, "samples": 1, "length": 1024, "stream_docs": 1, "stream_tokens": 4096}
@@ -65,9 +70,9 @@ GEMMA_RUN |= {"budgets": [256, 512], "needle_samples": 3, "lengths": "1024,4096"
 def stage_ppl(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:
     _, heldout = essay_split()
     documents = sample_documents(tokenizer, args.docs, 1024 + 512 + 1, names=heldout)
-    policies = [*LEARNED, *HEURISTICS]
+    policies = [*LEARNED, *RIVALS]
     with progress_bar("perplexity, held-back essays") as progress:
-        result = run_ppl(LocalRunner(model), documents, policies, [0.5, 0.7, 0.8, 0.9], progress=progress)
+        result = run_ppl(LocalRunner(model, tokenizer), documents, policies, [0.5, 0.7, 0.8, 0.9], progress=progress)
     paired = _paired_rows(result)
     nll = {f"{policy}@{rate}": values for (policy, rate), values in result.nll.items()}
     report = result.to_json() | {"paired": paired, "nll": nll | {"full": result.nll_full}}
@@ -80,7 +85,7 @@ def stage_tasks(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[d
         samples = task_samples(suite, tokenizer, length=args.length, n=args.samples, seed=0)
         with progress_bar(f"{suite}: agnostic and aware") as progress:
             frames.append(
-                run_sweep(LocalRunner(model, tokenizer), samples, [*LEARNED[:3], *HEURISTICS], [0.5, 0.75, 0.9],
+                run_sweep(LocalRunner(model, tokenizer), samples, [*LEARNED[:3], *RIVALS], [0.5, 0.75, 0.9],
                     ("agnostic", "aware"), diagnostics=False, progress=progress,
                 )
             )  # fmt: skip
@@ -112,7 +117,7 @@ def stage_crossover(model: Any, tokenizer: Any, args: argparse.Namespace) -> tup
             frame = run_sweep(
                 LocalRunner(model, tokenizer),
                 samples,
-                [CLAIMANT, "snapkv"],
+                [CLAIMANT, RECONSTRUCTING[0], "snapkv"],
                 [0.9],
                 diagnostics=False,
                 progress=progress,
@@ -132,7 +137,7 @@ def stage_length(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[
         rows = run_sweep(
             LocalRunner(model, tokenizer),
             samples,
-            [CLAIMANT, "snapkv"],
+            [CLAIMANT, RECONSTRUCTING[0], "snapkv"],
             [0.5, 0.75, 0.9],
             diagnostics=False,
             progress=progress,
@@ -171,17 +176,17 @@ def _paired_rows(result: PplResult) -> list[dict]:
     out = []
     for rate in result.rates:
         mine = np.array(result.nll[CLAIMANT, rate])
-        for heuristic in HEURISTICS:
-            theirs = np.array(result.nll[heuristic, rate])
+        for rival in RIVALS:
+            theirs = np.array(result.nll[rival, rate])
             lo, hi = bootstrap_delta_ci(mine, theirs, result.tokens)
             delta = pooled_delta_pct(mine, theirs, result.tokens)
-            out.append({"rate": rate, "against": heuristic, "delta_pct": delta, "ci95": [lo, hi]})
+            out.append({"rate": rate, "against": rival, "delta_pct": delta, "ci95": [lo, hi]})
     return out
 
 
 def _paired_markdown(paired: list[dict]) -> str:
     table = pd.DataFrame(paired)
-    header = ["rate", *(f"{CLAIMANT} vs {h}" for h in HEURISTICS)]
+    header = ["rate", *(f"{CLAIMANT} vs {rival}" for rival in RIVALS)]
     body = [
         [f"{rate:.0%}", *(f"{r.delta_pct:+.2f}% [{r.ci95[0]:+.2f}, {r.ci95[1]:+.2f}]" for r in rows.itertuples())]
         for rate, rows in table.groupby("rate", sort=True)
@@ -216,7 +221,7 @@ def _suite_markdown(curves: list[dict], suite: str) -> str:
     cell = {(r["policy"], r["mode"], r["rate"]): r for r in curves if r["suite"] == suite}
     full = next(r for (policy, _, _), r in cell.items() if policy == "full")
     columns = list(dict.fromkeys((mode, rate) for _, mode, rate in cell if rate > 0))
-    policies = [p for p in [*LEARNED, *HEURISTICS] if any(key[0] == p for key in cell)]
+    policies = [p for p in [*LEARNED, *RIVALS] if any(key[0] == p for key in cell)]
     body = [
         [p, *(f"{c['accuracy']:.2f} ({c['mean_gold_logprob']:.1f})" if (c := cell.get((p, *col))) else "-"
               for col in columns)]

@@ -155,6 +155,8 @@ _ALLOWED: dict[int, list[torch.Tensor]] = {}
 # received[layer] -> [q_heads, positions] float64: attention each key position received, while tallying
 _RECEIVED: dict[int, torch.Tensor] = {}
 TALLY = "tally"
+# while set: received[layer] holds the most attention each key position got from any query instead of the sum
+MOST = "most"
 # the codec whose stored entries full-attention layers read (None: the entries as computed), and the positions
 # below which every entry is read back stored (an eviction that quantized a residual)
 _STORED: dict[str, object] = {"codec": None, "below": 0}
@@ -190,6 +192,9 @@ def _masked_reference_attention(module, query, key, value, attention_mask, dropo
             _RECEIVED.setdefault(module.layer_idx, torch.zeros(n_heads, 4096, dtype=torch.float64))[h, :kv_len] += (
                 probs.sum(0).cpu()
             )
+        if MOST in _RECEIVED:
+            held = _RECEIVED.setdefault(module.layer_idx, torch.zeros(n_heads, 4096, dtype=torch.float64))
+            held[h, :kv_len] = torch.maximum(held[h, :kv_len], probs.amax(0).cpu())
         out[0, h] = (probs @ value[0, kv_h].double()).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
 
@@ -245,6 +250,13 @@ class MaskedReference:
         """From now on, sum the attention every key position receives per layer (`[q_heads, positions]`)."""
         _RECEIVED.clear()
         _RECEIVED[TALLY] = torch.empty(0)
+        return _RECEIVED
+
+    @staticmethod
+    def most() -> dict[int, torch.Tensor]:
+        """From now on, keep the most attention any query gave every key position per layer (`[q_heads, positions]`)."""
+        _RECEIVED.clear()
+        _RECEIVED[MOST] = torch.empty(0)
         return _RECEIVED
 
     def allow(self, kept: Kept) -> None:

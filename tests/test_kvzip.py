@@ -10,8 +10,10 @@ import torch
 
 import kvsieve
 from conftest import tiny_llama
+from kvsieve.runtime.growth import BoundedGrowth
 from kvsieve.runtime.reconstruction import flash_attention, materialized_attention, repeat_prompt_ids
 from kvsieve.selection.allocators import ALLOCATORS
+from kvsieve.selection.budget import MaxTokens
 from kvsieve.selection.errors import PolicyError
 from kvsieve.selection.observation import Needs, Reconstruction
 from kvsieve.selection.scorers.kvzip import REPEAT_PROMPT, KVzipScorer
@@ -60,12 +62,16 @@ def test_the_fused_and_the_materialized_attention_agree(dtype):
     query, keys, values = (torch.randn(2, 4, 30, 16, generator=generator).to(dtype) for _ in range(3))
     earlier_keys, earlier_values = (torch.randn(2, 4, 50, 16, generator=generator).to(dtype) for _ in range(2))
     keys, values = torch.cat([earlier_keys, keys], dim=2), torch.cat([earlier_values, values], dim=2)
-    fused, fused_seen = flash_attention(query, keys, values, 0.25, 50)
-    plain, plain_seen = materialized_attention(query, keys, values, 0.25, 50)
-    tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
-    torch.testing.assert_close(fused, plain, **tolerance)
-    torch.testing.assert_close(fused_seen.float(), plain_seen.float(), **tolerance)
-    assert fused_seen.shape == (2, 4, 50) and fused.shape == (2, 4, 30, 16)
+    causal = torch.arange(80)[None, :] > torch.arange(50, 80)[:, None]
+    ragged = causal | (torch.rand(2, 4, 1, 80, generator=generator) < 0.3)  # and keys hidden per (row, head)
+    for hidden in (causal, ragged):
+        fused, fused_seen = flash_attention(query, keys, values, 0.25, hidden, 50)
+        plain, plain_seen = materialized_attention(query, keys, values, 0.25, hidden, 50)
+        tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+        torch.testing.assert_close(fused, plain, **tolerance)
+        torch.testing.assert_close(fused_seen.float(), plain_seen.float(), **tolerance)
+        assert fused_seen.shape == (2, 4, 50) and fused.shape == (2, 4, 30, 16)
+    assert bool((fused_seen == 0)[ragged[..., 0, :50]].all())  # hidden keys get nothing
 
 
 @torch.no_grad()
@@ -106,6 +112,91 @@ def test_a_batch_keeps_what_each_row_keeps_alone(lm, tok):
                 assert torch.equal(mine, theirs)
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+@torch.no_grad()
+def test_a_padded_batch_scores_and_keeps_what_each_row_does_alone(tok, side):
+    model = tiny_llama(vocab_size=VOCAB_SIZE).double()
+    short, long = _ids(45, seed=4), _ids(seed=5)
+    pad = torch.zeros(1, N - 45, dtype=torch.long)
+    padded = torch.cat([pad, short], dim=1) if side == "left" else torch.cat([short, pad], dim=1)
+    real = torch.cat([torch.zeros_like(pad), torch.ones_like(short)], dim=1)
+    real = real if side == "left" else real.flip(1)
+    ids, mask = torch.cat([padded, long]), torch.cat([real, torch.ones_like(long)])
+    needs = Needs(reconstruction=Reconstruction(REPEAT_PROMPT, CHUNK))
+    batch = kvsieve.observe_prefill(model, ids, needs, attention_mask=mask, tokenizer=tok).observations
+    for row, alone_ids in enumerate([short, long]):
+        alone = kvsieve.observe_prefill(model, alone_ids, needs, tokenizer=tok).observations[0]
+        for mine, theirs in zip(batch[row], alone, strict=True):
+            torch.testing.assert_close(mine.stats.reconstructed, theirs.stats.reconstructed, atol=1e-10, rtol=1e-8)
+    cache = kvsieve.compress(model, ids, "kvzip+global", 0.6, attention_mask=mask, tokenizer=tok)
+    offset = N - 45 if side == "left" else 0
+    for row, alone_ids in enumerate([short, long]):
+        alone = kvsieve.compress(model, alone_ids, "kvzip+global", 0.6, tokenizer=tok)
+        for layer in range(3):
+            for mine, theirs in zip(cache.kept_positions(layer, row), alone.kept_positions(layer), strict=True):
+                assert torch.equal(mine, theirs + (offset if row == 0 else 0))
+
+
+@torch.no_grad()
+def test_a_chunked_prefill_repeats_every_token_fed_after_what_the_cache_holds(tok, masked_reference, monkeypatch):
+    """Replayed chunk by chunk on the masked float64 reference: each chunk sees what was kept before it, and each
+    eviction ranks by the most attention the held entries got while the model repeated every token fed so far."""
+    model = _sharpened(tiny_llama(vocab_size=VOCAB_SIZE).double())
+    ids, chunk, max_tokens, spec = _ids(100, seed=6), 30, 40, "kvzip+global:chunk=20"
+    scored, evict = [], BoundedGrowth.evict  # what the chunked prefill ranked by, eviction by eviction
+    monkeypatch.setattr(BoundedGrowth, "evict", lambda self, cache, by: scored.append(by) or evict(self, cache, by))
+    chunked = kvsieve.compress(model, ids, spec, max_tokens=max_tokens, chunk=chunk, n_recent=4, tokenizer=tok)
+    monkeypatch.undo()
+    growth = BoundedGrowth.of(kvsieve.make_policy(spec, n_recent=4), MaxTokens(max_tokens), chunk, model)
+    repeat = repeat_prompt_ids(tok, REPEAT_PROMPT)
+    cache = kvsieve.compress(model, ids[:, :chunk], spec, max_tokens=max_tokens, n_recent=4, tokenizer=tok)
+    reference = masked_reference(model, ids[:, :chunk], _kept(cache))
+    for start in range(chunk, 100, chunk):
+        with kvsieve.sieve_attention(model):
+            ours = model(ids[:, start : start + chunk], past_key_values=cache).logits
+        with reference:
+            reference.allow(_kept(cache))
+            logits = model(ids[:, start : start + chunk], past_key_values=reference.cache).logits
+        torch.testing.assert_close(ours, logits, atol=1e-10, rtol=0)
+        fed = min(start + chunk, 100)
+        expected = _reference_reconstruction(model, reference, _kept(cache), ids[:, :fed], repeat, 20)
+        for layer, most in scored.pop(0).items():
+            torch.testing.assert_close(most, expected[layer], atol=1e-10, rtol=1e-8)
+        growth.evict(cache, expected)
+    assert not scored
+    assert chunked.mean_stored() == max_tokens and chunked.get_seq_length() == 100
+    for mine, theirs in zip(_kept(chunked), _kept(cache), strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+
+
+@torch.no_grad()
+def _sharpened(model):
+    """`model` with queries and keys scaled up: a random tiny model attends almost uniformly, so what it repeats
+    would hardly change which entries it attends most."""
+    for layer in model.model.layers:
+        layer.self_attn.q_proj.weight.mul_(6)
+        layer.self_attn.k_proj.weight.mul_(6)
+    return model
+
+
+def _kept(cache) -> list[list[torch.Tensor]]:
+    return [cache.kept_positions(layer) for layer in range(3)]
+
+
+def _reference_reconstruction(model, reference, kept, fed: torch.Tensor, repeat: torch.Tensor, chunk: int) -> dict:
+    """Per layer `[1, q_heads, n]`: the masked reference repeats `fed` after the entries `kept` (each piece on a copy
+    of its cache, seeing itself and the kept entries), the most attention per position."""
+    n = fed.shape[1]
+    ahead = torch.arange(n, n + repeat.shape[1] + chunk)
+    received = reference.most()
+    for start in range(0, n, chunk):
+        with reference:
+            reference.allow([[torch.cat([head, ahead]) for head in layer] for layer in kept])
+            piece = torch.cat([repeat, fed[:, start : start + chunk]], -1)
+            model(piece, past_key_values=copy.deepcopy(reference.cache))
+    return {layer: received[layer][None, :, :n] for layer in range(3)}
+
+
 @torch.no_grad()
 def test_generate_and_apply_hand_the_tokenizer_on(lm, tok):
     ids, options = _ids(), {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
@@ -123,11 +214,8 @@ def test_where_kvzip_is_not_defined_it_says_so(lm, tok):
     ids = _ids()
     with pytest.raises(PolicyError, match="needs its tokenizer"):
         kvsieve.compress(lm, ids, "kvzip", 0.5)
-    with pytest.raises(PolicyError, match="padded batches"):
-        kvsieve.compress(lm, _ids(rows=2), "kvzip", 0.5, attention_mask=torch.tensor([[1] * N, [0] + [1] * (N - 1)]),
-                         tokenizer=tok)  # fmt: skip
-    for bounded in ({"chunk": 16}, {"buffer": 16}):
-        with pytest.raises(PolicyError, match="not defined for a chunked prefill"):
+    for bounded in ({"buffer": 16}, {"buffer": 16, "chunk": 16}):
+        with pytest.raises(PolicyError, match="not defined for re-scoring during generation"):
             kvsieve.compress(lm, ids, "kvzip", max_tokens=40, tokenizer=tok, **bounded)
     with pytest.raises(ValueError, match="chunk must be an integer >= 1"):
         kvsieve.make_policy("kvzip:chunk=0")

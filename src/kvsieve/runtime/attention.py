@@ -95,7 +95,7 @@ def sieve_attention_forward(
         layout.tally.add_received(received)
         return out, None
     if layout.recorder is not None:
-        return layout.recorder.attend(layout.layer_idx, module, query, key, value, attention_mask, scale), None
+        return layout.recorder.attend(layout, module, query, key, value, attention_mask, scale), None
     if attention_mask is None and query.shape[2] == 1 and varlen_available(query):
         valid = layout.slots.valid()
         return varlen_attention(query, key, value, None if valid is None else valid.sum(-1), scale), None

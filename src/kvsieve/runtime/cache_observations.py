@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -15,15 +15,20 @@ from .statistics import layer_statistics
 
 
 def cached_observations(
-    cache: SievedCache, layers: Sequence[Statistics], row: int = 0, rotary: Rotary | None = None
+    cache: SievedCache,
+    layers: Sequence[Statistics],
+    row: int = 0,
+    rotary: Rotary | None = None,
+    reconstructed: Mapping[int, torch.Tensor] | None = None,
 ) -> list[Observation]:
     """Observations of the entries a (possibly evicted) cache holds for one sequence, one per full-attention layer.
 
     Every kv-head has its own entries, padded to the longest and marked by `valid`; `layers` gives
     every layer's `Statistics` (`layer_statistics`, recent queries added by the caller). The attention
     each entry received is read from the cache when it keeps it (a bounded cache whose scorer
-    accumulates). Nothing is recomputed: a scorer that reads what is neither given nor kept raises a
-    clear error.
+    accumulates). `reconstructed`: per layer, `[rows, q_heads, positions]` the most attention each cache
+    position got while the model repeated its context (`kvsieve.runtime.reconstruction.reconstruct`).
+    Nothing is recomputed: a scorer that reads what is neither given nor kept raises a clear error.
     """
     if len(layers) != len(cache.layers):
         raise ValueError(f"got statistics of {len(layers)} layers for a cache of {len(cache.layers)}")
@@ -38,6 +43,8 @@ def cached_observations(
         if segments.received is not None:  # [heads, n, group] -> [q_heads, n]
             received = segments.padded_received()[row].permute(0, 2, 1).flatten(0, 1)
             stats = dataclasses.replace(stats, received=received)
+        if reconstructed is not None:
+            stats = dataclasses.replace(stats, reconstructed=_by_column(reconstructed[idx][row], positions, valid))
         observations.append(
             Observation(
                 idx,
@@ -57,3 +64,11 @@ def cached_observations(
 def observe_cache(model: torch.nn.Module, cache: SievedCache, row: int = 0) -> list[Observation]:
     """`cached_observations` of one sequence of `cache`, with the layer statistics read from `model`."""
     return cached_observations(cache, layer_statistics(model), row)
+
+
+def _by_column(by_position: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """`[q_heads, positions]` read at each kv-head's columns (`positions`, `valid`: `[kv_heads, columns]`):
+    `[q_heads, columns]`, 0 in padding columns."""
+    group = by_position.shape[0] // positions.shape[0]
+    columns = positions.clamp(min=0).repeat_interleave(group, dim=0)
+    return by_position.gather(1, columns).masked_fill(~valid.repeat_interleave(group, dim=0), 0.0)

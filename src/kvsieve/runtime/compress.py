@@ -21,11 +21,13 @@ from .codecs import FULL_PRECISION, EntryCodec, Storage, residual_nbytes, stored
 from .growth import DEFAULT_BUFFER, BoundedGrowth
 from .inputs import check_input_ids
 from .prefill import Prefill, observe_prefill
+from .reconstruction import reconstruct
 
 BUFFER_NEEDS_SIZE = "buffer and chunk bound a size budget (max_tokens or max_bytes); a rate has no size"
 NOT_RECONSTRUCTED = (
-    "kvzip scores entries by the model repeating the whole prompt after its prefill: it is not defined for a "
-    "chunked prefill (chunk=) or for re-scoring during generation (buffer=); use a rate or a size without them"
+    "kvzip scores entries by the model repeating its prompt, which is not defined for re-scoring during "
+    "generation (buffer=): the text it would repeat is still being written. Use a rate or a size, with chunk= "
+    "for a bounded prefill"
 )
 
 if TYPE_CHECKING:
@@ -167,7 +169,7 @@ def compress_with(
     growth = None
     if chunk is not None or buffer is not None:
         _check_bounded(budget, buffer, chunk, attention_mask, protect_positions, spans)
-        if policy.needs.reconstruction is not None:
+        if buffer is not None and policy.needs.reconstruction is not None:
             raise PolicyError(NOT_RECONSTRUCTED)
         growth = BoundedGrowth.of(policy, budget, chunk or buffer, model, protect_positions, row_spans)
     first = input_ids if chunk is None else input_ids[:, :chunk]
@@ -177,7 +179,9 @@ def compress_with(
     kept = _kept_per_row(prefill, policy, budget, protect_positions, row_spans, codec)
     cache = prefill.cache.keep(kept, codec=codec)
     if growth is not None:
-        if chunk is not None and input_ids.shape[1] > chunk:
+        if chunk is not None and input_ids.shape[1] > chunk and policy.needs.reconstruction is not None:
+            _feed_chunks_reconstructing(model, cache, growth, input_ids, chunk, tokenizer)
+        elif chunk is not None and input_ids.shape[1] > chunk:
             _feed_chunks(model, cache, growth, input_ids[:, chunk:], chunk)
         cache.growth = None if buffer is None else dataclasses.replace(growth, buffer=buffer)
     return cache
@@ -282,6 +286,30 @@ def _feed_chunks(
         for start in range(0, rest.shape[1], chunk):
             model(input_ids=rest[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
     growth.evict(cache)
+
+
+@torch.no_grad()
+def _feed_chunks_reconstructing(
+    model: torch.nn.Module,
+    cache: SievedCache,
+    growth: BoundedGrowth,
+    input_ids: torch.Tensor,
+    chunk: int,
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """`_feed_chunks` for a policy that scores by the model repeating its prompt (kvzip): the first `chunk` tokens
+    are in `cache` already; before each next chunk and after the last, if the cache is over its budget, the model
+    repeats every token fed so far after what the cache holds, and that attention decides what stays. A
+    forward cannot run inside another, so the evictions happen here between the chunks, not from the cache's
+    append hook."""
+    n = input_ids.shape[1]
+    with sieve_attention(model):
+        for start in range(chunk, n, chunk):
+            end = min(start + chunk, n)
+            model(input_ids=input_ids[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            if end == n or growth.overflows(cache, min(chunk, n - end)):
+                fed = input_ids[:, :end]
+                growth.evict(cache, reconstruct(model, cache, fed, growth.policy.needs.reconstruction, tokenizer))
 
 
 def bounded_cache(

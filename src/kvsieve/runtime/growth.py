@@ -23,7 +23,7 @@ per step and layer only when asked for:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -152,34 +152,39 @@ class BoundedGrowth:
 
     def before_append(self, cache: SievedCache, incoming: int) -> None:
         """Evict every sequence back to the budget if appending `incoming` tokens would pass budget + buffer."""
+        if self.overflows(cache, incoming):
+            self.evict(cache)
+
+    def overflows(self, cache: SievedCache, incoming: int) -> bool:
+        """Whether appending `incoming` tokens would take a sequence of `cache` past budget + buffer."""
         layers = [cache.layers[idx].segments for idx in cache.full_layers]
         if not layers or any(segments is None for segments in layers):
-            return
+            return False
         heads = sum(segments.heads for segments in layers)
         budget = self.budget.reserve(cache.reserved_nbytes())  # windows and full-precision residuals come first
         limit = budget.tokens_per_head(heads, layers[0].entry_bytes()) + self.buffer
-        if max(cache.mean_stored(row) for row in range(cache.batch_size)) + incoming <= limit:
-            return
-        self.evict(cache)
+        return max(cache.mean_stored(row) for row in range(cache.batch_size)) + incoming > limit
 
-    def evict(self, cache: SievedCache) -> None:
-        """Evict every sequence of `cache` back to the budget."""
+    def evict(self, cache: SievedCache, reconstructed: Mapping[int, torch.Tensor] | None = None) -> None:
+        """Evict every sequence of `cache` back to the budget (`reconstructed`: as for `cached_observations`)."""
         budget = self.budget.reserve(cache.reserved_nbytes())  # windows and full-precision residuals come first
         stored = cache.layers[cache.full_layers[0]].entry_bytes()  # as the cache stores them (quantized: fewer)
         keep = []
         for row in range(cache.batch_size):
             spans = None if self.spans is None else self.spans[row]
-            observations = self.observations(cache, row)
+            observations = self.observations(cache, row, reconstructed)
             keep.append(self.policy.select(observations, budget, self.protect, spans, stored))
         cache.evict(keep)
 
-    def observations(self, cache: SievedCache, row: int) -> list[Observation]:
+    def observations(
+        self, cache: SievedCache, row: int, reconstructed: Mapping[int, torch.Tensor] | None = None
+    ) -> list[Observation]:
         """What the scorer reads for one sequence: the entries the cache holds and the recent queries."""
         layers = list(self.layers)
         if self.queries is not None:
             for idx in cache.full_layers:
                 layers[idx] = self.queries.statistics(idx, row, layers[idx])
-        return cached_observations(cache, layers, row, self.rotary)
+        return cached_observations(cache, layers, row, self.rotary, reconstructed)
 
 
 def seed_received(prefill: Prefill) -> None:

@@ -31,7 +31,7 @@ class Recorder(Protocol):
 
     def attend(
         self,
-        layer_idx: int,
+        layout: RaggedLayout,
         module: torch.nn.Module,
         query: torch.Tensor,
         key: torch.Tensor,

@@ -22,6 +22,7 @@ from .attention import sieve_attention
 from .cache import SievedCache, SievedLayer
 from .inputs import check_input_ids, real_tokens
 from .kernels import observed_attention
+from .layout import RaggedLayout
 from .reconstruction import reconstruct
 from .statistics import needed_gates, output_projection
 
@@ -52,7 +53,7 @@ class PrefillRecorder:
 
     def attend(
         self,
-        layer_idx: int,
+        layout: RaggedLayout,
         module: torch.nn.Module,
         query: torch.Tensor,
         key: torch.Tensor,
@@ -66,7 +67,7 @@ class PrefillRecorder:
             out, received = observed_attention(query, key, value, attention_mask, scaling, self.query_weight)
         else:
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)
-        self.record(layer_idx, module, query, scaling, received)
+        self.record(layout.layer_idx, module, query, scaling, received)
         return out
 
     def record(
@@ -159,8 +160,11 @@ def observe_prefill(
         raise ValueError(f"the observation window must be >= 0, got {needs.window}")
     check_input_ids(model, input_ids)
     real = real_tokens(input_ids, attention_mask)
-    if needs.reconstruction is not None:
-        _check_reconstructable(real, tokenizer)
+    if needs.reconstruction is not None and tokenizer is None:
+        raise PolicyError(
+            "kvzip asks the model to repeat the prompt after it, which needs its tokenizer: "
+            "compress(model, ids, 'kvzip', rate=..., tokenizer=tokenizer), or tokenizer= to generate()"
+        )
     recorder = PrefillRecorder(needs, real, needed_gates(model, needs))
     cache = SievedCache.for_model(model)
     cache.recorder = recorder
@@ -179,9 +183,11 @@ def observe_prefill(
             "layers; its attention does not go through the transformers attention interface"
         )
     if needs.reconstruction is not None:
-        most = reconstruct(model, cache, input_ids, needs.reconstruction, tokenizer)
+        most = reconstruct(model, cache, input_ids, needs.reconstruction, tokenizer, real)
         for i in full:
-            recorder.layers[i] = [replace(s, reconstructed=most[i][row]) for row, s in enumerate(recorder.layers[i])]
+            recorder.layers[i] = [
+                replace(s, reconstructed=most[i][row][:, real[row]]) for row, s in enumerate(recorder.layers[i])
+            ]
     rotary = find_rotary(model) if needs.rotary and full else None
     entries = [row.nonzero().flatten() if recorder.padded else None for row in real]
     observations = [
@@ -192,17 +198,6 @@ def observe_prefill(
         for row in range(input_ids.shape[0])
     ]
     return Prefill(cache=cache, observations=observations, entries=entries, last_logits=last_logits)
-
-
-def _check_reconstructable(real: torch.Tensor, tokenizer: PreTrainedTokenizerBase | None) -> None:
-    """A clear error unless the model can be asked to repeat the prompt: it needs its tokenizer, and no padding."""
-    if tokenizer is None:
-        raise PolicyError(
-            "kvzip asks the model to repeat the prompt after it, which needs its tokenizer: "
-            "compress(model, ids, 'kvzip', rate=..., tokenizer=tokenizer), or tokenizer= to generate()"
-        )
-    if not bool(real.all()):
-        raise PolicyError("kvzip does not score padded batches yet: compress the prompts one at a time")
 
 
 def _prefill_observation(

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..selection.observation import Reconstruction
-from .attention import sieve_attention
+from .attention import sieve_attention, visibility
 from .cache import SievedCache
+from .layout import RaggedLayout
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -38,9 +39,8 @@ def repeat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> torch.
 
 
 class ReconstructionRecorder:
-    """Attention for the repetition's forwards (`flash_attention` on the CPU, else `materialized_attention`;
-    the cache holds no padding, so the mask is causal); per layer, the most each of the first `context`
-    entries got."""
+    """Attention for the repetition's forwards (`flash_attention` on the CPU, else `materialized_attention`); per
+    layer, the most each cache position below `context` got."""
 
     def __init__(self, context: int) -> None:
         self.context = context
@@ -48,7 +48,7 @@ class ReconstructionRecorder:
 
     def attend(
         self,
-        layer_idx: int,
+        layout: RaggedLayout,
         module: torch.nn.Module,
         query: torch.Tensor,
         key: torch.Tensor,
@@ -58,42 +58,76 @@ class ReconstructionRecorder:
     ) -> torch.Tensor:
         group = query.shape[1] // key.shape[1]
         keys, values = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+        hidden = _hidden(layout, attention_mask, query.shape[2], keys.shape[2], group)
+        columns = self.context if layout.contiguous else keys.shape[2]  # an evicted cache: read every column
         attend = flash_attention if query.device.type == "cpu" else materialized_attention
-        out, seen = attend(query, keys, values, scaling, self.context)
-        held = self.most.get(layer_idx)
-        self.most[layer_idx] = seen if held is None else torch.maximum(held, seen)
+        out, seen = attend(query, keys, values, scaling, hidden, columns)
+        if not layout.contiguous:
+            seen = _by_position(seen, layout.slots.positions().repeat_interleave(group, dim=1), self.context)
+        held = self.most.get(layout.layer_idx)
+        self.most[layout.layer_idx] = seen if held is None else torch.maximum(held, seen)
         return out.transpose(1, 2).contiguous()
 
 
-def _hidden(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """`[q, length]` causal: the queries are the last of the keys' positions."""
-    positions = torch.arange(keys.shape[2], device=query.device)
-    return positions[None, :] > positions[keys.shape[2] - query.shape[2] :, None]
+def _hidden(
+    layout: RaggedLayout, attention_mask: torch.Tensor | None, q: int, columns: int, group: int
+) -> torch.Tensor:
+    """What each query may not see, broadcastable to `[rows, q_heads, q, columns]`: the causal mask `[q, columns]`
+    where nothing was evicted or padded, else the mask over the columns as sieve attention reads them."""
+    if not layout.contiguous:
+        return ~visibility(layout, attention_mask, q).repeat_interleave(group, dim=1)
+    if attention_mask is not None:  # transformers' mask over the cache positions, `[rows, 1, q, columns]`
+        return ~attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
+    positions = torch.arange(columns, device=layout.query_positions.device)
+    return positions[None, :] > positions[columns - q :, None]
+
+
+def _by_position(seen: torch.Tensor, positions: torch.Tensor, context: int) -> torch.Tensor:
+    """`seen [rows, q_heads, columns]` moved to the cache position each column holds (`positions`, same shape):
+    `[rows, q_heads, context]`, 0 where no column holds a position."""
+    spill = torch.where(positions < context, positions, context)  # padding and the repetition itself
+    dense = seen.new_zeros(*seen.shape[:2], context + 1)
+    return dense.scatter_reduce_(2, spill, seen, "amax")[..., :context]
+
+
+def _bias(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill(hidden, float("-inf"))
 
 
 def flash_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, context: int
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    hidden: torch.Tensor,
+    columns: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output `[rows, heads, q, d]`, the most probability each of the first `context` keys got `[rows, heads,
-    context]`): torch's CPU flash kernel gives the output and every query's log-sum-exp, and a probability is
-    `exp(q.k * scale - lse)`, computed for those keys only (every query sees them all)."""
-    bias = torch.zeros(query.shape[2], keys.shape[2], dtype=query.dtype).masked_fill(
-        _hidden(query, keys), float("-inf")
-    )
+    """(output `[rows, heads, q, d]`, the most probability each of the first `columns` keys got `[rows, heads,
+    columns]`): torch's CPU flash kernel gives the output and every query's log-sum-exp, and a probability is
+    `exp(q.k * scale - lse)`, computed for those keys only. `hidden`: what each query may not see, broadcastable
+    to `[rows, heads, q, keys]`."""
+    bias = _bias(hidden, query.dtype)
+    bias = bias if bias.ndim == 4 else bias[None, None]
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    out, lse = flash(query, keys, values, 0.0, False, attn_mask=bias[None, None], scale=scaling)
-    scores = (query @ keys[:, :, :context].transpose(-1, -2)).to(lse.dtype) * scaling
+    out, lse = flash(query, keys, values, 0.0, False, attn_mask=bias, scale=scaling)
+    scores = (query @ keys[:, :, :columns].transpose(-1, -2)).to(lse.dtype) * scaling
+    scores = scores.masked_fill(hidden[..., :columns], float("-inf"))
     return out, (scores - lse[..., None]).exp().amax(dim=2)
 
 
 def materialized_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, context: int
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    hidden: torch.Tensor,
+    columns: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`flash_attention`'s result from the whole probability matrix, float32 or wider (any device)."""
     dtype = torch.promote_types(query.dtype, torch.float32)
     scores = (query.to(dtype) @ keys.to(dtype).transpose(-1, -2)) * scaling
-    probs = torch.softmax(scores.masked_fill(_hidden(query, keys), float("-inf")), dim=-1)
-    return (probs @ values.to(dtype)).to(query.dtype), probs[..., :context].amax(dim=2)
+    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    return (probs @ values.to(dtype)).to(query.dtype), probs[..., :columns].amax(dim=2)
 
 
 @torch.no_grad()
@@ -103,16 +137,48 @@ def reconstruct(
     input_ids: torch.Tensor,
     reconstruction: Reconstruction,
     tokenizer: PreTrainedTokenizerBase,
+    real: torch.Tensor | None = None,
 ) -> dict[int, torch.Tensor]:
-    """Per full-attention layer, `[rows, q_heads, n]`: the most attention each entry of `cache` (the unpadded
-    prefill of `input_ids`, `[rows, n]`) received while the model repeated `input_ids` after it."""
-    n = input_ids.shape[1]
-    repeat = repeat_prompt_ids(tokenizer, reconstruction.prompt).to(input_ids.device).expand(input_ids.shape[0], -1)
-    recorder = ReconstructionRecorder(n)
+    """Per full-attention layer, `[rows, q_heads, cache.get_seq_length()]`: the most attention each cache position
+    received while the model repeated its sequence after `cache` (0 for positions the cache no longer holds).
+
+    Args:
+        cache: what the model holds of `input_ids` (evicted or not); it is left as it was.
+        input_ids: `[rows, n]` every token the cache was fed, padding included.
+        real: `[rows, n]` bool, the real tokens (None: all of them). A padded batch repeats row by row.
+    """
+    repeat = repeat_prompt_ids(tokenizer, reconstruction.prompt).to(input_ids.device)
+    if real is None or bool(real.all()):
+        return _repeat_after(model, cache, input_ids, repeat, reconstruction.chunk)
+    per_row = [
+        _repeat_after(model, cache.copy(rows=[row]), input_ids[row : row + 1, mask], repeat, reconstruction.chunk,
+                      mask[None])
+        for row, mask in enumerate(real)
+    ]  # fmt: skip
+    return {layer: torch.cat([most[layer] for most in per_row]) for layer in per_row[0]}
+
+
+def _repeat_after(
+    model: torch.nn.Module,
+    cache: SievedCache,
+    tokens: torch.Tensor,
+    repeat: torch.Tensor,
+    chunk: int,
+    real: torch.Tensor | None = None,
+) -> dict[int, torch.Tensor]:
+    """`reconstruct` of rows whose real tokens are `tokens` (one row when `real`, its mask over the cache, is
+    given): the repetition continues each row's positions, and padding stays hidden."""
+    recorder = ReconstructionRecorder(cache.get_seq_length())
+    repeat = repeat.expand(tokens.shape[0], -1)
     with sieve_attention(model):
-        for start in range(0, n, reconstruction.chunk):
+        for start in range(0, tokens.shape[1], chunk):
             copy = cache.copy()
             copy.recorder = recorder
-            ids = torch.cat([repeat, input_ids[:, start : start + reconstruction.chunk]], dim=-1)
-            model(input_ids=ids, past_key_values=copy, use_cache=True, logits_to_keep=1)
+            ids = torch.cat([repeat, tokens[:, start : start + chunk]], dim=-1)
+            padding = {}
+            if real is not None:
+                mask = torch.cat([real, real.new_ones(1, ids.shape[1])], dim=-1).long()
+                positions = torch.arange(ids.shape[1], device=ids.device)[None] + int(real.sum())
+                padding = {"attention_mask": mask, "position_ids": positions}
+            model(input_ids=ids, past_key_values=copy, use_cache=True, logits_to_keep=1, **padding)
     return recorder.most

@@ -112,7 +112,9 @@ class MaxTokens:
     """Hold `max_tokens` entries per (layer, kv-head) on average, protected entries included.
 
     A head's uniform share is what its protected entries leave of `max_tokens` (all of its
-    evictable entries when it has fewer); the allocator may move shares between heads.
+    evictable entries when it has fewer; what it cannot use goes to heads that have more, so the
+    average holds for an evicted cache whose heads hold different counts); the allocator may move
+    shares between heads.
     """
 
     max_tokens: int
@@ -131,7 +133,7 @@ class MaxTokens:
     def shares(
         self, evictable: Sequence[torch.Tensor], protected: Sequence[torch.Tensor], entry_bytes: int = 0
     ) -> list[list[int]]:
-        out = []
+        room, share = [], []
         for layer_idx, (masks, kept) in enumerate(zip(evictable, protected, strict=True)):
             n_protected = kept.sum(dim=-1)
             if int(n_protected.max()) > self.max_tokens:
@@ -140,8 +142,32 @@ class MaxTokens:
                     f"of a kv-head in layer {layer_idx} (n_sink + n_recent + protected positions); "
                     "raise max_tokens or protect less"
                 )
-            out.append(torch.minimum(self.max_tokens - n_protected, masks.sum(dim=-1)).tolist())
-        return out
+            room.append(masks.sum(dim=-1).tolist())
+            share.append((self.max_tokens - n_protected).tolist())
+        filled = _fill([n for layer in room for n in layer], [n for layer in share for n in layer])
+        return [filled[start : start + len(layer)] for start, layer in zip(_starts(room), room, strict=True)]
+
+
+def _fill(room: list[int], share: list[int]) -> list[int]:
+    """Each head's share, at most its `room`; what short heads leave goes to the others, spread evenly."""
+    out = [min(r, s) for r, s in zip(room, share, strict=True)]
+    left = min(sum(share), sum(room)) - sum(out)
+    while left > 0:
+        open_heads = [h for h, (n, r) in enumerate(zip(out, room, strict=True)) if n < r]
+        each = max(1, left // len(open_heads))
+        for h in open_heads:
+            extra = min(each, room[h] - out[h], left)
+            out[h] += extra
+            left -= extra
+    return out
+
+
+def _starts(layers: list[list[int]]) -> list[int]:
+    starts, at = [], 0
+    for layer in layers:
+        starts.append(at)
+        at += len(layer)
+    return starts
 
 
 @dataclass(frozen=True)
