@@ -90,10 +90,6 @@ def _by_position(seen: torch.Tensor, positions: torch.Tensor, context: int) -> t
     return dense.scatter_reduce_(2, spill, seen, "amax")[..., :context]
 
 
-def _bias(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill(hidden, float("-inf"))
-
-
 def flash_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -106,7 +102,7 @@ def flash_attention(
     columns]`): torch's CPU flash kernel gives the output and every query's log-sum-exp, and a probability is
     `exp(q.k * scale - lse)`, computed for those keys only. `hidden`: what each query may not see, broadcastable
     to `[rows, heads, q, keys]`."""
-    bias = _bias(hidden, query.dtype)
+    bias = torch.zeros(hidden.shape, dtype=query.dtype).masked_fill(hidden, float("-inf"))
     bias = bias if bias.ndim == 4 else bias[None, None]
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     out, lse = flash(query, keys, values, 0.0, False, attn_mask=bias, scale=scaling)
