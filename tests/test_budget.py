@@ -89,3 +89,12 @@ def test_a_budget_below_the_protected_entries_names_them(model, ids):
 def test_a_byte_budget_below_one_entry_per_head_says_how_much_is_needed(model, ids):
     with pytest.raises(kvsieve.PolicyError, match=r"below one entry per \(layer, kv-head\): 6 heads x 128 bytes = 768"):
         kvsieve.compress(model, ids[:, :N], "snapkv", max_bytes=700)
+
+
+def test_max_tokens_gives_what_short_heads_cannot_use_to_the_others():
+    """An evicted cache's heads hold different counts: the average still holds (a pooled allocator sums the shares)."""
+    room = torch.arange(50)[None, :] < torch.tensor([[5], [45], [30]])  # evictable entries per head: 5, 45, 30
+    protected = torch.zeros(3, 50, dtype=torch.bool)
+    assert MaxTokens(20).shares([room], [protected]) == [[5, 28, 27]]
+    assert MaxTokens(4).shares([room], [protected]) == [[4, 4, 4]]
+    assert MaxTokens(40).shares([room], [protected]) == [[5, 45, 30]]  # everything they hold, and no more
