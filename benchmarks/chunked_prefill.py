@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
+from transformers import PreTrainedTokenizerBase
 
 import kvsieve
 from kvsieve.harness.data import long_context
@@ -53,7 +54,14 @@ class PeakEntries:
         self.handle.remove()
 
 
-def measure(model: torch.nn.Module, tokenizer, ids: torch.Tensor, feed: torch.Tensor, args, chunk: int | None):
+def measure(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    ids: torch.Tensor,
+    feed: torch.Tensor,
+    args: argparse.Namespace,
+    chunk: int | None,
+) -> dict:
     peaks, seconds = PeakEntries(model), []
     for _ in range(args.repeats):
         tick = time.perf_counter()

@@ -172,7 +172,7 @@ def position_markdown(rows: list[dict]) -> str:
 
 
 def _paired_rows(result: PplResult) -> list[dict]:
-    """The claimant against each heuristic on the same documents: pooled PPL change, paired bootstrap over documents."""
+    """The claimant against each rival on the same documents: pooled PPL change, paired bootstrap over documents."""
     out = []
     for rate in result.rates:
         mine = np.array(result.nll[CLAIMANT, rate])

@@ -179,10 +179,11 @@ def compress_with(
     kept = _kept_per_row(prefill, policy, budget, protect_positions, row_spans, codec)
     cache = prefill.cache.keep(kept, codec=codec)
     if growth is not None:
-        if chunk is not None and input_ids.shape[1] > chunk and policy.needs.reconstruction is not None:
-            _feed_chunks_reconstructing(model, cache, growth, input_ids, chunk, tokenizer)
-        elif chunk is not None and input_ids.shape[1] > chunk:
-            _feed_chunks(model, cache, growth, input_ids[:, chunk:], chunk)
+        if chunk is not None and input_ids.shape[1] > chunk:
+            if policy.needs.reconstruction is None:
+                _feed_chunks(model, cache, growth, input_ids[:, chunk:], chunk)
+            else:
+                _feed_chunks_reconstructing(model, cache, growth, input_ids, chunk, tokenizer)
         cache.growth = None if buffer is None else dataclasses.replace(growth, buffer=buffer)
     return cache
 

@@ -144,8 +144,8 @@ class MaxTokens:
                 )
             room.append(masks.sum(dim=-1).tolist())
             share.append((self.max_tokens - n_protected).tolist())
-        filled = _fill([n for layer in room for n in layer], [n for layer in share for n in layer])
-        return [filled[start : start + len(layer)] for start, layer in zip(_starts(room), room, strict=True)]
+        filled = iter(_fill([n for layer in room for n in layer], [n for layer in share for n in layer]))
+        return [[next(filled) for _ in layer] for layer in room]
 
 
 def _fill(room: list[int], share: list[int]) -> list[int]:
@@ -160,14 +160,6 @@ def _fill(room: list[int], share: list[int]) -> list[int]:
             out[h] += extra
             left -= extra
     return out
-
-
-def _starts(layers: list[list[int]]) -> list[int]:
-    starts, at = [], 0
-    for layer in layers:
-        starts.append(at)
-        at += len(layer)
-    return starts
 
 
 @dataclass(frozen=True)
