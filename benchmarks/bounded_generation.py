@@ -32,6 +32,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 import kvsieve
 from kvsieve.harness.data import long_context
 from kvsieve.harness.report import markdown_table
+from kvsieve.runtime.compat import cache_argument
 
 RESULTS = Path(__file__).parent / "results"
 MIB = 1 << 20
@@ -55,7 +56,7 @@ class Decoder:
     @torch.no_grad()
     def step(self, model: torch.nn.Module) -> None:
         tick = time.perf_counter()
-        logits = model(input_ids=self.token, past_key_values=self.cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=self.token, **cache_argument(model, self.cache), use_cache=True).logits[:, -1]
         self.times.append(time.perf_counter() - tick)
         self.token = logits.argmax(-1, keepdim=True)
         step = len(self.times)
@@ -85,7 +86,7 @@ def default_model_run(args: argparse.Namespace, console: Console) -> dict:
     first = prompt[:, -1:]
     dense = DynamicCache()
     with torch.no_grad():
-        model(input_ids=prompt[:, :-1], past_key_values=dense, use_cache=True)
+        model(input_ids=prompt[:, :-1], **cache_argument(model, dense), use_cache=True)
     unbounded = Decoder(dense, first, args.every)
     policies = args.policies.split(",")
     bounded = {
@@ -194,7 +195,7 @@ def soak(args: argparse.Namespace, console: Console) -> dict:
     token, rss, worst = ids[:, -1:], [], 0.0
     with kvsieve.sieve_attention(model):
         for step in track(range(1, args.soak_steps + 1), description="soak"):
-            token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            token = model(input_ids=token, **cache_argument(model, cache), use_cache=True).logits[:, -1:].argmax(-1)
             worst = max(worst, cache.mean_stored())
             if step % 1000 == 0:
                 newest = {int(p.max()) for layer in range(2) for p in cache.kept_positions(layer)}

@@ -33,6 +33,7 @@ import kvsieve
 from kvsieve.harness.data import long_context
 from kvsieve.harness.eval.respond import continuation_nll
 from kvsieve.harness.report import markdown_table
+from kvsieve.runtime.compat import passed_cache
 
 RESULTS = Path(__file__).parent / "results"
 CONTINUATION = 512
@@ -46,7 +47,7 @@ class PeakEntries:
         self.handle = model.base_model.layers[-1].register_forward_hook(self._seen, with_kwargs=True)
 
     def _seen(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-        cache = kwargs.get("past_key_values")
+        cache = passed_cache(kwargs)
         if isinstance(cache, kvsieve.SievedCache):
             self.peak = max(self.peak, cache.mean_stored())
 

@@ -29,8 +29,10 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 import kvsieve
 from kvsieve.harness.report import markdown_table
 from kvsieve.runtime.attention import attention_implementation
-from kvsieve.runtime.codecs import FULL_PRECISION, EntryCodec, Storage
+from kvsieve.runtime.codecs import FULL_PRECISION, EntryCodec, storage_codec
+from kvsieve.runtime.compat import cache_argument
 from kvsieve.runtime.prefill import Prefill
+from kvsieve.selection.storage import Storage
 
 RESULTS = Path(__file__).parent / "results"
 ALLOCATORS = ("uniform", "adaptive", "global")
@@ -75,10 +77,9 @@ def synchronize(device: str) -> None:
 
 @torch.no_grad()
 def step_seconds(model: LlamaForCausalLM, cache: object, token: torch.Tensor, device: str) -> float:
-    position = torch.tensor([cache.get_seq_length()], device=token.device)
     synchronize(device)
     tick = time.perf_counter()
-    model(input_ids=token, past_key_values=cache, cache_position=position, use_cache=True)
+    model(input_ids=token, **cache_argument(model, cache), use_cache=True)
     synchronize(device)
     return time.perf_counter() - tick
 
@@ -90,7 +91,7 @@ def measure(model: LlamaForCausalLM, context: int, batch: int, args: argparse.Na
     caches: dict[str, object] = {"full": dense_copy(prefill)}
     caches |= {name: compressed(prefill, name, args.rate) for name in ALLOCATORS}
     for bits in (int(b) for b in args.kv_bits.split(",") if b):
-        caches[f"uniform, {bits}-bit"] = compressed(prefill, "uniform", args.rate, Storage(bits).codec(model))
+        caches[f"uniform, {bits}-bit"] = compressed(prefill, "uniform", args.rate, storage_codec(Storage(bits), model))
     kv_bytes = {name: cache.nbytes() for name, cache in caches.items() if name != "full"}
     kv_bytes["full"] = prefill.cache.nbytes()
     del prefill

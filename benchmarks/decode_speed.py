@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 from rich.console import Console
 from rich.table import Table
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
@@ -32,7 +33,9 @@ from kvsieve import SievedCache, load_model, make_policy, observe_prefill, sieve
 from kvsieve.harness.data import long_context
 from kvsieve.harness.report import markdown_table
 from kvsieve.runtime.attention import attention_implementation
-from kvsieve.runtime.codecs import Storage
+from kvsieve.runtime.codecs import storage_codec
+from kvsieve.runtime.compat import cache_argument
+from kvsieve.selection.storage import Storage
 
 RESULTS = Path(__file__).parent / "results"
 ALLOCATORS = ("uniform", "adaptive", "global")
@@ -70,11 +73,10 @@ def markdown(report: dict) -> str:
 
 @torch.no_grad()
 def decode_step(model: torch.nn.Module, cache: object, token: torch.Tensor, device: str) -> float:
-    """Seconds for one forward of one token at its true position."""
-    position = torch.tensor([cache.get_seq_length()], device=token.device)
+    """Seconds for one forward of one token (at its true position: the count of tokens the cache has seen)."""
     synchronize(device)
     tick = time.perf_counter()
-    model(input_ids=token, past_key_values=cache, cache_position=position, use_cache=True)
+    model(input_ids=token, **cache_argument(model, cache), use_cache=True)
     synchronize(device)
     return time.perf_counter() - tick
 
@@ -92,6 +94,7 @@ def main() -> None:
     parser.add_argument(
         "--random-weights", metavar="CONFIG_DIR", help="a model folder's config.json: its shape, random weights"
     )
+    parser.add_argument("--out", help="results file stem (default decode_speed, or decode_speed_cuda on a GPU)")
     args = parser.parse_args()
     console = Console()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -116,7 +119,7 @@ def main() -> None:
             caches[allocator] = prefill.cache.keep([policy.select(prefill.observations[0], args.rate)])
         for bits in (int(b) for b in args.kv_bits.split(",") if b):
             keep = [policies["uniform"].select(prefill.observations[0], args.rate)]
-            caches[f"uniform, {bits}-bit"] = prefill.cache.keep(keep, codec=Storage(bits).codec(model))
+            caches[f"uniform, {bits}-bit"] = prefill.cache.keep(keep, codec=storage_codec(Storage(bits), model))
         kv_bytes = {name: cache.nbytes() for name, cache in caches.items() if name != "full"}
         kv_bytes["full"] = dynamic_nbytes(caches["full"])
         del prefill
@@ -173,12 +176,14 @@ def main() -> None:
         + (", random weights of its shape" if args.random_weights else ""),
         "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
         "threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
         "scorer": args.scorer,
         "rate": args.rate,
         "steps": args.steps,
         "weights_bytes": weights,
     }
-    path = RESULTS / ("decode_speed.json" if args.device == "cpu" else "decode_speed_cuda.json")
+    stem = args.out or ("decode_speed" if args.device == "cpu" else "decode_speed_cuda")
+    path = RESULTS / f"{stem}.json"
     path.write_text(json.dumps({**meta, "rows": rows}, indent=2))
     path.with_suffix(".md").write_text(markdown({**meta, "rows": rows}))
     console.print(f"wrote {path}")

@@ -5,7 +5,7 @@ then what kvsieve needs of transformers' heavy modules for a model (`PreTrainedM
 kvsieve; another process imports kvsieve right after transformers (what a user's `import kvsieve`
 costs when no model class is loaded yet). Reports medians over the repeats.
 
-    python benchmarks/import_time.py [--repeats 9]
+    python benchmarks/import_time.py [--repeats 9] [--out import_time]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import json
 import statistics
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 from kvsieve.harness.progress import console
@@ -63,13 +64,19 @@ def markdown(report: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--out", default="import_time", help="results file stem")
     args = parser.parse_args()
-    report = {"repeats": args.repeats, "python": sys.version.split()[0], "rows": measure(args.repeats)}
+    report = {
+        "repeats": args.repeats,
+        "python": sys.version.split()[0],
+        "transformers": version("transformers"),
+        "rows": measure(args.repeats),
+    }
     console.print(markdown(report))
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "import_time.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / "import_time.md").write_text(markdown(report))
-    console.print(f"wrote {RESULTS / 'import_time.json'}")
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / f"{args.out}.md").write_text(markdown(report))
+    console.print(f"wrote {RESULTS / args.out}.json")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from kvsieve.harness.data import essay_split, sample_documents
 from kvsieve.harness.progress import console
 from kvsieve.harness.report import markdown_table
 from kvsieve.runtime.codecs import Quantized
+from kvsieve.runtime.compat import cache_argument
 
 RESULTS = Path(__file__).parent / "results"
 PREFIX, CONTINUATION, GROUP, CHUNK = 1024, 512, 32, 64
@@ -65,11 +66,11 @@ def kivi(bits: int) -> Layout:
 @torch.no_grad()
 def nll_with(model: torch.nn.Module, ids: torch.Tensor, layout: Layout | None) -> float:
     cache = DynamicCache(config=model.config)
-    model(ids[:, :PREFIX], past_key_values=cache)
+    model(ids[:, :PREFIX], **cache_argument(model, cache))
     if layout is not None:
         for layer in cache.layers:
             layer.keys, layer.values = layout(layer.keys, layer.values)
-    logits = model(ids[:, PREFIX : PREFIX + CONTINUATION], past_key_values=cache).logits[0]
+    logits = model(ids[:, PREFIX : PREFIX + CONTINUATION], **cache_argument(model, cache)).logits[0]
     return float(F.cross_entropy(logits.float(), ids[0, PREFIX + 1 : PREFIX + CONTINUATION + 1], reduction="sum"))
 
 
@@ -80,7 +81,7 @@ def nll_kvsieve(model: torch.nn.Module, ids: torch.Tensor, bits: int, residual: 
     cache = kvsieve.compress(model, ids[:, :PREFIX], "streaming", rate=0.0, **storage)
     with kvsieve.sieve_attention(model):
         chunks = range(PREFIX, PREFIX + CONTINUATION, CHUNK)
-        logits = torch.cat([model(ids[:, s : s + CHUNK], past_key_values=cache).logits[0] for s in chunks])
+        logits = torch.cat([model(ids[:, s : s + CHUNK], **cache_argument(model, cache)).logits[0] for s in chunks])
     return float(F.cross_entropy(logits.float(), ids[0, PREFIX + 1 : PREFIX + CONTINUATION + 1], reduction="sum"))
 
 

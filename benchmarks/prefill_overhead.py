@@ -29,6 +29,7 @@ from transformers import DynamicCache
 from kvsieve import Needs, known_policies, load_model, make_policy, observe_prefill
 from kvsieve.harness.data import long_context
 from kvsieve.harness.report import markdown_table
+from kvsieve.runtime.compat import cache_argument
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -42,7 +43,7 @@ def timed(fn: object, *args: object, **kwargs: object) -> tuple[float, object]:
 @torch.no_grad()
 def sdpa_prefill(model: torch.nn.Module, ids: torch.Tensor) -> None:
     model.set_attn_implementation("sdpa")
-    model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+    model(input_ids=ids, **cache_argument(model, DynamicCache()), use_cache=True, logits_to_keep=1)
 
 
 def _kind(needs: Needs) -> str:

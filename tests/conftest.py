@@ -48,7 +48,7 @@ def tiny_llama(
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
+        hidden_size=16 * heads,  # head_dim 16 (transformers 5.5+ refuses a hidden size heads do not divide)
         intermediate_size=128,
         num_hidden_layers=layers,
         num_attention_heads=heads,

@@ -150,7 +150,7 @@ def test_a_plain_forward_inside_apply_warns_once_that_it_is_not_compressed(model
         model.generate(ids, **GEN)  # compressed: no warning
         model.generate(ids[:, :20], **GEN)  # too short to evict (the rule), inside generate: no warning
         cache = kvsieve.compress(model, ids[:, :-1], "snapkv", 0.5)
-        model(ids[:, -1:], past_key_values=cache)  # the user's own compressed cache: no warning
+        model(ids[:, -1:], **kvsieve.cache_argument(model, cache))  # the user's own compressed cache: no warning
         assert not caught
         full = model(ids).logits
         model(ids)

@@ -1,4 +1,4 @@
-"""kvsieve 0.1's keywords keep working for one release: each warns, names the new keyword, and means the same."""
+"""kvsieve 0.1's keywords keep working through 0.3: each warns, names the new keyword, and means the same."""
 
 from __future__ import annotations
 

@@ -172,8 +172,8 @@ def test_chunked_prefill_never_holds_more_than_budget_plus_chunk(model, monkeypa
     peaks = []
     update = kvsieve.SievedCache.update
 
-    def recorded(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        out = update(self, key_states, value_states, layer_idx, cache_kwargs)
+    def recorded(self, key_states, value_states, layer_idx, *args, **kwargs):
+        out = update(self, key_states, value_states, layer_idx, *args, **kwargs)
         if layer_idx == 2:  # the last layer: the forward's tokens are in every layer
             peaks.append(self.mean_stored())
         return out

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
-import lm_eval
+from extras import require
+
+lm_eval = require("lm_eval", "lm-eval")
 import numpy as np
 import pytest
 import torch
@@ -15,12 +21,15 @@ from lm_eval.api.registry import get_model
 import kvsieve
 from kvsieve.harness.eval.streaming import run_streaming
 from kvsieve.harness.lmeval import KVSieveLM
+from kvsieve.harness.lmeval.scoring import rolling_logprob
 from kvsieve.harness.runners import LocalRunner
+from kvsieve.runtime.compat import cache_argument
 from kvsieve.selection.errors import PolicyError
 
 CONTEXT = "The quick brown fox jumps over the lazy dog. The grass is green. The sky is blue. " * 3
 PROMPT = CONTEXT + "Question: what is blue? Answer:"
 CHOICES = [" The sky", " The grass is green", " apple", " blue"]
+KVZIP = "kvzip+global"
 
 
 def _lm(model_dir, **args: object) -> KVSieveLM:
@@ -100,13 +109,13 @@ def test_loglikelihood_equals_compress_then_a_teacher_forced_forward(model_dir, 
         cache = kvsieve.compress(model, context[:, :-1], "snapkv", rate=0.5)
         fed = torch.cat([context[:, -1:], continuation[None, :-1]], dim=-1)
         with torch.no_grad(), kvsieve.sieve_attention(model):
-            logits = model(fed, past_key_values=cache).logits
+            logits = model(fed, **cache_argument(model, cache)).logits
         direct = F.log_softmax(logits.float(), -1)[0].gather(-1, continuation[:, None]).sum()
         assert logprob == pytest.approx(float(direct), abs=1e-4)
         assert greedy == bool((logits[0].argmax(-1) == continuation).all())
         kept = [cache.kept_positions(layer) for layer in range(len(cache.layers))]
         with masked_reference(model, context[:, :-1], kept) as ref, torch.no_grad():  # float64, full cache, masked
-            masked = model(fed, past_key_values=ref.cache).logits
+            masked = model(fed, **cache_argument(model, ref.cache)).logits
         reference = F.log_softmax(masked.double(), -1)[0].gather(-1, continuation[:, None]).sum()
         assert logprob == pytest.approx(float(reference), abs=1e-4)
     full = _lm(model_dir, policy="full").loglikelihood(_requests("loglikelihood", [(PROMPT, c) for c in CHOICES]))
@@ -125,7 +134,7 @@ def test_kv_bits_score_continuations_from_the_quantized_context(model_dir):
         cache = kvsieve.compress(lm.model, context[:, :-1], "snapkv", rate=0.5, kv_bits=4, kv_group=8)
         fed = torch.cat([context[:, -1:], continuation[None, :-1]], dim=-1)
         with torch.no_grad(), kvsieve.sieve_attention(lm.model):
-            logits = lm.model(fed, past_key_values=cache).logits
+            logits = lm.model(fed, **cache_argument(lm.model, cache)).logits
         assert logprob == pytest.approx(
             float(F.log_softmax(logits, -1)[0].gather(-1, continuation[:, None]).sum()), abs=1e-4
         )
@@ -163,7 +172,7 @@ def test_question_aware_loglikelihood_protects_the_question(model_dir):
     cache = kvsieve.compress(aware.model, context[:, :start], "snapkv", rate=0.5, question_ids=question[:, :-1])
     fed = torch.cat([question[:, -1:], continuation[None, :-1]], dim=-1)
     with torch.no_grad(), kvsieve.sieve_attention(aware.model):
-        logits = aware.model(fed, past_key_values=cache).logits
+        logits = aware.model(fed, **cache_argument(aware.model, cache)).logits
     assert logprob == pytest.approx(float(F.log_softmax(logits, -1)[0].gather(-1, continuation[:, None]).sum()), 1e-4)
     with pytest.raises(ValueError, match="no question marker"):
         aware.loglikelihood(_requests("loglikelihood", [(CONTEXT, " The sky")]))
@@ -204,6 +213,113 @@ def test_generate_until_batches_prompts_and_honours_stops(model_dir):
     stop = free[len(free) // 2 : len(free) // 2 + 2]
     stopped = lm.generate_until(_requests("generate_until", [(PROMPT, {"until": [stop], "max_gen_toks": 12})]))
     assert stopped == [free.split(stop)[0]] and len(stopped[0]) < len(free)
+
+
+def _continuation_logprob(model, cache, context: torch.Tensor, continuation: torch.Tensor) -> tuple[float, bool]:
+    """The last context token and the continuation fed through `cache` (what the context left): lm-eval's answer."""
+    fed = torch.cat([context[:, -1:], continuation[None, :-1]], dim=-1)
+    with torch.no_grad(), kvsieve.sieve_attention(model):
+        logits = model(fed, **cache_argument(model, cache)).logits
+    logprob = F.log_softmax(logits.float(), -1)[0].gather(-1, continuation[:, None]).sum()
+    return float(logprob), bool((logits[0].argmax(-1) == continuation).all())
+
+
+def test_kvzip_loglikelihood_equals_compress_with_the_tokenizer_then_a_forward(model_dir):
+    lm = _lm(model_dir, policy=KVZIP, rate=0.75)
+    got = lm.loglikelihood(_requests("loglikelihood", [(PROMPT, c) for c in CHOICES]))
+    for (logprob, greedy), choice in zip(got, CHOICES, strict=True):
+        context, continuation = _pair(lm.tokenizer, PROMPT, choice)
+        cache = kvsieve.compress(lm.model, context[:, :-1], KVZIP, rate=0.75, tokenizer=lm.tokenizer)
+        assert cache.mean_stored() < 0.5 * context.shape[1]  # evicted for real
+        expected, expected_greedy = _continuation_logprob(lm.model, cache, context, continuation)
+        assert logprob == pytest.approx(expected, abs=1e-4) and greedy == expected_greedy
+    full = _lm(model_dir, policy="full").loglikelihood(_requests("loglikelihood", [(PROMPT, c) for c in CHOICES]))
+    assert all(abs(a - f) > 1e-3 for (a, _), (f, _) in zip(got, full, strict=True))
+
+
+def test_kvzip_generation_is_kvsieve_generate_with_the_tokenizer(model_dir):
+    prompts = [PROMPT, CONTEXT[:150]]  # different lengths: one left-padded batch
+    requests = _requests("generate_until", [(p, {"until": [], "max_gen_toks": 8}) for p in prompts])
+    # a size: the prompt is compressed to it, and generation grows past it (kvzip cannot re-score while generating)
+    for budget in ({"rate": 0.5}, {"max_tokens": 40}):
+        lm = _lm(model_dir, policy=KVZIP, batch_size=2, **budget)
+        for prompt, text in zip(prompts, lm.generate_until(requests), strict=True):
+            ids = torch.tensor([lm.tokenizer(prompt).input_ids])
+            out = kvsieve.generate(
+                lm.model, ids, KVZIP, tokenizer=lm.tokenizer, max_new_tokens=8, do_sample=False, **budget
+            )
+            assert text == lm.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True), budget
+
+
+def test_kvzip_rolling_loglikelihood_evicts_as_a_chunked_compress(model_dir):
+    lm = _lm(model_dir, policy=KVZIP, max_tokens=48, buffer=8)
+    total = lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [(CONTEXT,)]))[0]
+    ids = torch.tensor([[lm.prefix_token_id, *lm.tokenizer(CONTEXT, add_special_tokens=False).input_ids]])
+    expected = 0.0
+    for start in range(0, ids.shape[1], 8):  # each chunk after what compress(chunk=8) keeps of the ones before it
+        piece, targets = ids[:, start : start + 8], ids[0, start + 1 : start + 9]
+        fed = {}
+        if start:
+            cache = kvsieve.compress(lm.model, ids[:, :start], KVZIP, max_tokens=48, chunk=8, tokenizer=lm.tokenizer)
+            fed = cache_argument(lm.model, cache)
+        with torch.no_grad(), kvsieve.sieve_attention(lm.model):
+            logits = lm.model(piece, **fed).logits
+        expected += float(F.log_softmax(logits[0, : len(targets)], -1).gather(-1, targets[:, None]).sum())
+    assert cache.mean_stored() < 0.6 * start  # the reference evicted too
+    assert total == pytest.approx(expected, abs=1e-4)
+    full = _lm(model_dir, policy="full").loglikelihood_rolling(_requests("loglikelihood_rolling", [(CONTEXT,)]))[0]
+    assert abs(total - full) > 0.1
+    with pytest.raises(PolicyError, match="give the tokenizer"):
+        rolling_logprob(lm.model, lm.config, ids, 8)
+
+
+def test_the_entry_point_names_the_class_its_decorator_registers():
+    """lm-eval's plugin loading (EleutherAI/lm-evaluation-harness#4013) registers the entry point as a placeholder
+    under `kvsieve`; importing the module then registers the class again, which lm-eval accepts only when the entry
+    point's value is exactly `module:Class` of the decorated class."""
+    tomllib = pytest.importorskip("tomllib")
+    from importlib.metadata import EntryPoint
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    value = project.get("entry-points", {}).get("lm_eval.models", {}).get("kvsieve")
+    assert value == f"{KVSieveLM.__module__}:{KVSieveLM.__name__}"
+    assert EntryPoint("kvsieve", value, "lm_eval.models").load() is KVSieveLM is get_model("kvsieve")
+
+
+_REGISTRY_REPORT = """
+    import json
+    from lm_eval.api.registry import get_model, model_registry
+    from kvsieve.harness.lmeval import KVSieveLM
+
+    names = set(model_registry)  # before a lookup below imports lm_eval.models (which registers lm-eval's types)
+    found = {"dummy": get_model("dummy").__name__, "kvsieve": get_model("kvsieve") is KVSieveLM}
+    try:  # found by name; its module imports accelerate, which only lm-eval's hf extra installs
+        found["hf"] = get_model("hf").__name__
+    except ModuleNotFoundError as missing:
+        found["hf"] = f"HFLM needs {missing.name}"
+    from lm_eval.models import MODEL_MAPPING
+
+    print(json.dumps(found | {"missing": sorted(set(MODEL_MAPPING) - names)}))
+"""
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        "import kvsieve.harness.lmeval.model",
+        # another package registered a model type first: lm-eval's registry is no longer empty
+        "from lm_eval.api.registry import register_model\nfrom lm_eval.api.model import LM\n"
+        "register_model('other')(type('Other', (LM,), {}))\nimport kvsieve.harness.lmeval",
+    ],
+    ids=["kvsieve-first", "after-another-plugin"],
+)
+def test_registering_kvsieve_hides_none_of_lm_evals_model_types(first):
+    code = first + "\n" + textwrap.dedent(_REGISTRY_REPORT)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report.pop("hf") in ("HFLM", "HFLM needs accelerate")
+    assert report == {"missing": [], "dummy": "DummyLM", "kvsieve": True}
 
 
 @pytest.mark.parametrize(
@@ -251,6 +367,6 @@ def test_default_model_loglikelihood_equals_compress_then_a_forward():
         assert cache.mean_stored() < 0.5 * context.shape[1]  # evicted for real
         fed = torch.cat([context[:, -1:], continuation[None, :-1]], dim=-1)
         with torch.no_grad(), kvsieve.sieve_attention(lm.model):
-            logits = lm.model(fed, past_key_values=cache).logits
+            logits = lm.model(fed, **cache_argument(lm.model, cache)).logits
         direct = F.log_softmax(logits.float(), -1)[0].gather(-1, continuation[:, None]).sum()
         assert logprob == pytest.approx(float(direct), abs=1e-4)

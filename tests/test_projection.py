@@ -253,7 +253,7 @@ def test_projection_errors(model, ids):
         kvsieve.compress(model, ids, sentence, 0.5)
     with pytest.raises(kvsieve.PolicyError, match="none were given: pass spans"):
         kvsieve.bounded_cache(model, sentence, max_tokens=40)
-    with pytest.raises(kvsieve.PolicyError, match="generate\\(\\) cannot take"):
+    with pytest.raises(kvsieve.PolicyError, match="apply\\(\\) cannot take"):
         kvsieve.EvictionConfig(rate=0.5, policy=sentence)
     with pytest.raises(kvsieve.PolicyError, match="1-D integer tensor"):
         kvsieve.make_policy(sentence).select(prefill.observations[0], 0.5, spans=torch.zeros(120))

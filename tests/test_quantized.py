@@ -269,7 +269,7 @@ def test_a_policy_spec_names_its_storage():
         "h2o:kv_bits=2,kv_group=8",
         "kvpress:knorm",
     ]
-    assert [m.storage.parameters() for m in methods[1:4]] == [{"kv_bits": 4}, {}, {"kv_bits": 2, "kv_group": 8}]
+    assert [m.policy.storage.parameters() for m in methods[1:4]] == [{"kv_bits": 4}, {}, {"kv_bits": 2, "kv_group": 8}]
     assert methods[1].builder != methods[2].builder == methods[0].builder, "other storage, another build"
     assert with_kv_bits(["full", "snapkv", "tova:window=2", "kvpress:knorm"], 8) == [
         "full",

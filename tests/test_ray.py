@@ -18,8 +18,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-import ray
 import torch
+
+from extras import require
+
+ray = require("ray", "ray")
 
 from kvsieve.harness.data.suites import task_samples
 from kvsieve.harness.eval import run_ppl

@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
+from extras import needs_kvpress
 from kvsieve.harness.eval import run_sweep
 from kvsieve.harness.eval.contract_diagnostic import run_diagnostic
 from kvsieve.harness.eval.results_log import read_rows
@@ -35,6 +36,7 @@ def _same_rows(table: pd.DataFrame, rows: list[dict]) -> None:
                 assert cell == value, key
 
 
+@needs_kvpress
 @torch.no_grad()
 def test_a_sweep_writes_its_rows_as_parquet_and_the_report_reads_them(lm, tok, tmp_path):
     log = tmp_path / RESULTS_FILE

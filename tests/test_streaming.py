@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 import kvsieve
+from extras import needs_kvpress
 from kvsieve.harness.cli import app
 from kvsieve.harness.compare.kvpress import PressStream
 from kvsieve.harness.eval.contenders import parse_contenders
@@ -131,6 +132,7 @@ def test_full_cache_streaming_equals_one_plain_forward_within_the_context(model)
     assert [b["ppl"] is None for b in result.buckets(result.full)] == [False, False, False, True]  # 48-63: unfed
 
 
+@needs_kvpress
 @torch.no_grad()
 def test_kvpress_stream_compresses_and_its_first_chunk_is_the_plain_model(model):
     ids, budget, buffer = _ids(2, 96), 24, 8
@@ -148,6 +150,7 @@ def test_kvpress_stream_compresses_and_its_first_chunk_is_the_plain_model(model)
     assert trace.peak == CacheSize(budget * ENTRY_BYTES * HEADS, budget * ENTRY_BYTES * HEADS, float(budget))
 
 
+@needs_kvpress
 @pytest.mark.parametrize(("policy", "press"), [("knorm", "knorm"), ("tova", "tova")])
 @torch.no_grad()
 def test_kvpress_stream_equals_kvsieve_with_its_protection(model, policy, press):
@@ -161,6 +164,7 @@ def test_kvpress_stream_equals_kvsieve_with_its_protection(model, policy, press)
     assert np.nanmax(np.abs(unprotected.nll - theirs.nll)) > 1e-3  # the default protection differs
 
 
+@needs_kvpress
 def test_plan_errors(model):
     docs = _docs(2, 64)
     with pytest.raises(ValueError, match="one length"):
@@ -200,6 +204,7 @@ def test_cli_errors():
     assert result.exit_code != 0 and "cannot read '512,x'" in result.output
 
 
+@needs_kvpress
 def test_cli_stream_budget_below_protection_and_a_run(model_dir, tmp_path):
     args = ["ppl", "--stream", "--model", str(model_dir), "--doc-tokens", "160", "--docs", "2", "--buffer", "16"]
     result = runner.invoke(app, [*args, "--max-tokens", "16,64", "--policies", "streaming"])

@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 
 import kvsieve
+from extras import needs_kvpress
 from kvsieve.harness.data.sample import TaskSample, encode
 from kvsieve.harness.eval.answers import gold_statistics, is_abstention, judge, string_match
 from kvsieve.harness.eval.contenders import parse_contenders
@@ -209,6 +210,7 @@ def test_respond_in_chunks_is_exact(lm, tok):
     assert chunked.gold_logprob == pytest.approx(whole.gold_logprob, rel=1e-5)
 
 
+@needs_kvpress
 @torch.no_grad()
 def test_sweep_runs_kvpress_side_by_side(lm, tok):
     sample = make_sample(0)

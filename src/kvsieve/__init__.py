@@ -14,6 +14,7 @@ from .runtime.apply import SieveHandle, UncompressedForwardWarning, apply
 from .runtime.attention import UnsupportedAttentionError, sieve_attention
 from .runtime.cache import RaggedAttentionError, SievedCache
 from .runtime.cache_observations import observe_cache
+from .runtime.compat import UnsupportedTransformersError, cache_argument
 from .runtime.compress import bounded_cache, compress
 from .runtime.config import EvictionConfig
 from .runtime.evictions import Eviction, evictions
@@ -29,7 +30,7 @@ from .selection.spec import known_policies, make_policy
 if TYPE_CHECKING:
     from .harness.models import ModelNotFoundError, load_model
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 #: Public names that live in the harness, imported when first used.
 _LAZY = {"load_model": "kvsieve.harness.models", "ModelNotFoundError": "kvsieve.harness.models"}
@@ -61,9 +62,11 @@ __all__ = [
     "UncompressedForwardWarning",
     "UnhookableModelError",
     "UnsupportedAttentionError",
+    "UnsupportedTransformersError",
     "__version__",
     "apply",
     "bounded_cache",
+    "cache_argument",
     "compress",
     "evictions",
     "generate",

@@ -14,6 +14,9 @@ import torch
 import typer
 from rich.table import Table
 
+from kvsieve.harness import install_hint
+from kvsieve.runtime.compat import cache_argument
+
 from ..runtime.attention import sieve_attention
 from ..runtime.compress import compress
 from ..runtime.growth import DEFAULT_BUFFER
@@ -106,7 +109,7 @@ RayOption = Annotated[
     str | None,
     typer.Option(
         "--ray",
-        help="run on a Ray cluster: auto, ray://host:port, host:port, or local (needs `pip install 'kvsieve[ray]'`)",
+        help="run on a Ray cluster: auto (on a node of a running one), host:port, or local (needs the ray extra)",
     ),
 ]
 WorkersOption = Annotated[
@@ -135,7 +138,7 @@ def open_runner(
     try:
         from .runners.ray_runner import LOCAL, RayRunner
     except ImportError:
-        raise typer.BadParameter("Ray is not installed: pip install 'kvsieve[ray]'", param_hint="--ray") from None
+        raise typer.BadParameter(f"Ray is not installed: {install_hint('ray')}", param_hint="--ray") from None
     runner = RayRunner(choice, ray or LOCAL, workers, cpus_per_worker)
     try:
         runner.start()
@@ -306,7 +309,9 @@ def policies() -> None:
 
 def _generate(model: Any, ids: torch.Tensor, cache: Any, new_tokens: int) -> torch.Tensor:
     with sieve_attention(model):
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        out = model.generate(
+            ids, **cache_argument(model, cache), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+        )
     return out[0, ids.shape[1] :]
 
 
@@ -623,7 +628,7 @@ def allocation(
 
 
 def _deprecated_option(old: str, new: str) -> None:
-    typer.echo(f"warning: {old} is deprecated and will be removed in the next release; use {new}", err=True)
+    typer.echo(f"warning: {old} is deprecated and will be removed in kvsieve 0.4; use {new}", err=True)
 
 
 def _capacity_and_scope(capacity: str | None, scope: str | None, budget: int | None) -> tuple[int, str]:
@@ -655,7 +660,7 @@ def lm_eval_command(ctx: typer.Context) -> None:
     except ModuleNotFoundError as err:
         if err.name is None or not err.name.startswith("lm_eval"):
             raise
-        raise typer.BadParameter('lm-eval is not installed: pip install "kvsieve[lm-eval]"') from None
+        raise typer.BadParameter(f"lm-eval is not installed: {install_hint('lm-eval')}") from None
     run_lm_eval(ctx.args)
 
 

@@ -3,6 +3,7 @@ a GGUF path, or any HF id/directory."""
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import tempfile
@@ -12,11 +13,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from .data.packages import package_dir
 from .gemma import GEMMA_MODEL, gemma_gguf, gguf_spm_tokenizer
+from .hub import HubUnreachableError, check_hub_id
 
 DEFAULT_MODEL = "smollm2-135m"
 CPU = torch.device("cpu")
@@ -85,23 +88,43 @@ def _quiet_transformers() -> Iterator[None]:
 
 
 def _gguf_tokenizer(path: Path, model: PreTrainedModel) -> PreTrainedTokenizerBase:
-    """The tokenizer of a GGUF; Gemma-3's is rebuilt from its vocabulary (`harness.gemma`), not converted."""
+    """The tokenizer of a GGUF; Gemma-3's is rebuilt from its vocabulary (`harness.gemma`), not converted.
+
+    A Llama-architecture GGUF's tokenizer prepends its BOS token on every release: transformers 5.2 converts it
+    so (the default model's `<|im_start|>`, which every number in docs/ and the shipped gates saw); 5.24 follows
+    the GGUF's `add_bos_token` (false for the default model)."""
     if model.config.model_type == "gemma3_text":
         return gguf_spm_tokenizer(path)
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    if model.config.model_type == "llama" and tokenizer("a").input_ids[0] != tokenizer.bos_token_id:
+        tokenizer.add_bos_token = True
+    return tokenizer
+
+
+def _dense_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """`model` as a plain checkpoint can save it: transformers 5.19+ loads a GGUF through its GGUF quantizer, which
+    marks the model unsaveable even where it dequantized every weight (without the `kernels` package it does)."""
+    if getattr(model, "hf_quantizer", None) is None:
+        return model
+    config = copy.deepcopy(model.config)
+    del config.quantization_config
+    dense = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    dense.load_state_dict(model.state_dict())
+    return dense
 
 
 def _converted_gguf(path: Path) -> Path:
-    """The folder a GGUF is dequantized into, once, under `cache_home()`; later loads read that copy."""
+    """The folder a GGUF is dequantized into, once per transformers release, under `cache_home()`; later loads read
+    that copy. Each release converts its own: a tokenizer one release saved need not load alike in another."""
     stat = path.stat()
-    converted = cache_home() / f"{path.stem}-{stat.st_size}"
+    converted = cache_home() / f"{path.stem}-{stat.st_size}-transformers-{transformers.__version__}"
     if not (converted / "config.json").exists():
         print(f"kvsieve: converting {path.name} once (30 s to 2 min); the result is kept in {converted}")
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
         tokenizer = _gguf_tokenizer(path, model)
         converted.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=converted.parent, prefix=".staging-"))
-        model.save_pretrained(staging)
+        _dense_copy(model).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         try:
             staging.rename(converted)
@@ -124,6 +147,11 @@ def _model_folder(name_or_path: str | os.PathLike | None) -> str | os.PathLike:
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file not found: {path}")
         return _converted_gguf(path)
+    if not Path(name_or_path).exists():
+        try:
+            check_hub_id(str(name_or_path))
+        except HubUnreachableError as err:
+            raise ModelNotFoundError(str(err)) from None
     return name_or_path
 
 
@@ -133,9 +161,10 @@ def _not_found(name_or_path: str | os.PathLike | None, err: OSError) -> ModelNot
 
 def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> PreTrainedTokenizerBase:
     """The tokenizer of a model `load_model` loads (the same names), without loading its weights."""
+    folder = _model_folder(name_or_path)
     with _quiet_transformers():
         try:
-            return AutoTokenizer.from_pretrained(_model_folder(name_or_path))
+            return AutoTokenizer.from_pretrained(folder)
         except OSError as err:
             raise _not_found(name_or_path, err) from err
 
@@ -152,12 +181,14 @@ def load_model(
         name_or_path: `None` or ``"smollm2-135m"`` for the embedded default model (the
             Q4_1 GGUF of SmolLM2-135M-Instruct, dequantized), ``"gemma3-270m"`` for Gemma-3-270M
             (Q4_K_M GGUF from optional packages, `make gemma`; its tokenizer prepends BOS), a
-            path to a ``.gguf`` file, a local model directory, or a Hugging Face id (needs network).
+            path to a ``.gguf`` file, a local model directory, or a Hugging Face id (read from the Hugging Face
+            cache, else downloaded once; where it cannot be, `ModelNotFoundError` at once: `kvsieve.harness.hub`).
     """
     tokenizer = load_tokenizer(name_or_path)
+    folder = _model_folder(name_or_path)
     with _quiet_transformers():
         try:
-            model = AutoModelForCausalLM.from_pretrained(_model_folder(name_or_path), dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
         except OSError as err:
             raise _not_found(name_or_path, err) from err
     return model.to(device).eval(), tokenizer

@@ -1,5 +1,10 @@
 """The runtime layer: storage, attention, the observed prefill, eviction during generation, and the entry points.
 
 It runs the model and holds the cache; it asks the selection layer which entries to keep.
-Nothing here imports the harness.
+Nothing here imports the harness. Importing it checks the installed `transformers` first
+(`compat.SUPPORTED`), so an unsupported release fails here with the range, not deep in a cache class.
 """
+
+from .compat import check_transformers_version
+
+check_transformers_version()

@@ -12,6 +12,7 @@ import torch
 
 from .attention import sieve_attention
 from .cache import SievedCache
+from .compat import passed_cache
 from .config import EvictionConfig
 from .decoding import generate_compressed
 
@@ -68,7 +69,7 @@ class SieveHandle:
 
     def _check_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         """Warn once about a forward outside `generate` that runs on an uncompressed cache."""
-        if self._generating or self._warned or isinstance(kwargs.get("past_key_values"), SievedCache):
+        if self._generating or self._warned or isinstance(passed_cache(kwargs), SievedCache):
             return
         self._warned = True
         warnings.warn(UNCOMPRESSED_FORWARD, UncompressedForwardWarning, stacklevel=3)
@@ -82,9 +83,9 @@ class SieveHandle:
 
     def _compressed_generate(self, original: object, inputs: torch.Tensor | None, **kwargs: object) -> torch.Tensor:
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
-        if kwargs.get("past_key_values") is not None or not isinstance(input_ids, torch.Tensor):
+        if passed_cache(kwargs) is not None or not isinstance(input_ids, torch.Tensor):
             if kwargs.get("question_ids") is not None:
-                raise ValueError("question_ids go with a prompt (input_ids) and no past_key_values")
+                raise ValueError("question_ids go with a prompt (input_ids) and no cache")
             return original(input_ids, **kwargs)
         config = self.config
         out, self.last_cache = generate_compressed(

@@ -115,10 +115,19 @@ def register_sieve_attention() -> None:
 
 @contextmanager
 def attention_implementation(model: PreTrainedModel, name: str) -> Iterator[PreTrainedModel]:
-    """Run the block with `model` on the attention implementation `name`; restore the previous one after."""
+    """Run the block with `model` on the attention implementation `name`; restore the previous one after.
+
+    Raises `UnhookableModelError` where `transformers`' public `set_attn_implementation` leaves the model on its
+    own attention (a model whose attention does not go through `AttentionInterface`).
+    """
     previous = model.config._attn_implementation
     if previous != name:
         model.set_attn_implementation(name)
+        if model.config._attn_implementation != name:
+            raise UnhookableModelError(
+                f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
+                "so kvsieve cannot hook it"
+            )
     try:
         yield model
     finally:
@@ -136,11 +145,6 @@ def sieve_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """
     check_model(model)
     layer_windows(model)
-    if model.config._attn_implementation != ATTENTION_NAME and not model._can_set_attn_implementation():
-        raise UnhookableModelError(
-            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
-            "so kvsieve cannot hook it"
-        )
     register_sieve_attention()
     with attention_implementation(model, ATTENTION_NAME), sieve_scope():
         yield model

@@ -18,13 +18,14 @@ that says so instead of computing a wrong answer.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..selection.architecture import layer_windows
 from .codecs import FULL_PRECISION, EntryCodec
+from .compat import query_length
 from .layout import AttentionTally, QueryLog, RaggedLayout, Recorder, active_scope
 from .quantized_segments import Store, kept_store, store_from_dense
 from .segments import Slots
@@ -64,6 +65,7 @@ class SievedLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
+    is_croppable = True
 
     def __init__(self, codec: EntryCodec = FULL_PRECISION) -> None:
         super().__init__()
@@ -79,19 +81,16 @@ class SievedLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        cache_kwargs: dict[str, Any] | None = None,
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append `[batch, kv_heads, q, head_dim]` states; return every stored entry, padded per (row, kv-head)."""
+        """Append `[batch, kv_heads, q, head_dim]` states; return every stored entry, padded per (row, kv-head).
+
+        The new entries take the cache positions after every token seen (what `transformers` passed as
+        `cache_position` up to 5.4, and computes the same way since)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[-2]
-        positions = (cache_kwargs or {}).get("cache_position")
-        if positions is None:
-            positions = torch.arange(self.seen_tokens, self.seen_tokens + q, device=key_states.device)
-        positions = positions.long()
+        positions = torch.arange(self.seen_tokens, self.seen_tokens + q, device=key_states.device)
         if self.segments is None:
             self.segments, view = store_from_dense(key_states, value_states, positions, self.codec)
         else:
@@ -119,12 +118,15 @@ class SievedLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return self.seen_tokens
 
-    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
+    def get_mask_sizes(self, query: torch.Tensor | int) -> tuple[int, int]:
         """The mask covers the logical sequence: every token seen plus the new ones, from position 0."""
-        return self.seen_tokens + cache_position.shape[0], 0
+        return self.seen_tokens + query_length(query), 0
 
-    def get_max_cache_shape(self) -> int:
+    def get_max_length(self) -> int:
+        """No maximum: the layer grows until a policy evicts (`-1`, as `DynamicLayer`)."""
         return -1
+
+    get_max_cache_shape = get_max_length  # its name up to transformers 5.13
 
     @property
     def batch_size(self) -> int:
@@ -284,13 +286,16 @@ class SievedCache(Cache):
         key_states: torch.Tensor,
         value_states: torch.Tensor,
         layer_idx: int,
-        cache_kwargs: dict[str, Any] | None = None,
+        *args: object,
+        **kwargs: object,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append through the layer's own `update` (after `growth` had its say), then publish its layout.
 
         Before layer 0 appends, `growth` may evict every layer (the one place where the cache calls back
         up into selection: see docs/design.md, "Inversions of control").
         """
+        if layer_idx >= len(self.layers):
+            self._check_new_layer(layer_idx, key_states.shape[-2])
         scope = active_scope()
         evicted = layer_idx < len(self.layers) and not self.layers[layer_idx].contiguous
         if (evicted or self.recorder is not None or self.growth is not None) and scope is None:
@@ -300,7 +305,7 @@ class SievedCache(Cache):
             )
         if layer_idx == 0 and self.growth is not None:
             self.growth.before_append(self, key_states.shape[-2])
-        keys, values = super().update(key_states, value_states, layer_idx, cache_kwargs)
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         layer = self.layers[layer_idx]
         if scope is None or layer.is_sliding:  # sliding: plain tensors that transformers' sliding mask describes
             return keys, values
@@ -309,6 +314,18 @@ class SievedCache(Cache):
         tally = layer.segments if growth is not None and growth.accumulates else None
         scope.publish(keys, layer.layout(layer_idx, self.recorder, queries, tally))
         return keys, values
+
+    def _check_new_layer(self, layer_idx: int, incoming: int) -> None:
+        """A clear error when a model with more layers than the one that filled this cache feeds it.
+
+        A cache grows its layers during its first forward; a layer asked for once the last one holds tokens
+        of an earlier forward means the model has more layers than the cache was filled by."""
+        if self.layers and self.layers[-1].get_seq_length() > incoming:
+            raise ValueError(
+                f"this SievedCache was filled by a model with {len(self.layers)} layers, but the model it is fed to "
+                f"has at least {layer_idx + 1}: a cache serves the model that filled it "
+                "(kvsieve.compress(model, ...) or kvsieve.SievedCache.for_model(model))"
+            )
 
     @property
     def batch_size(self) -> int:

@@ -17,7 +17,6 @@ eviction never re-quantizes anything; they are what kvsieve stores.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,14 +26,8 @@ import torch
 from ..selection.architecture import kv_geometry
 from ..selection.errors import PolicyError
 from ..selection.observation import Observation
+from ..selection.storage import DEFAULT_GROUP, DEFAULT_RESIDUAL, Storage
 from .inputs import check_model
-
-#: Bits per number a quantized cache may store; 16 means the model's own dtype (no quantization).
-KV_BITS = (2, 4, 8, 16)
-#: Channels that share one scale and minimum, unless the head dimension is smaller.
-DEFAULT_GROUP = 32
-#: The newest entries of every (row, kv-head) a quantized cache keeps in full precision (a policy's recent tail).
-DEFAULT_RESIDUAL = 32
 
 
 class EntryCodec(Protocol):
@@ -94,12 +87,9 @@ class Quantized:
     residual: int = DEFAULT_RESIDUAL
 
     def __post_init__(self) -> None:
-        if self.bits not in KV_BITS[:-1]:
-            raise PolicyError(f"kv_bits={self.bits} is not supported; use one of {', '.join(map(str, KV_BITS))}")
-        if not isinstance(self.group, int) or self.group < 1:
-            raise PolicyError(f"kv_group must be a whole number >= 1, got {self.group!r}")
-        if not isinstance(self.residual, int) or self.residual < 0:
-            raise PolicyError(f"kv_residual must be a whole number >= 0, got {self.residual!r}")
+        if self.bits == 16:
+            raise PolicyError("16 bits is the model's own dtype: FULL_PRECISION stores it, not Quantized")
+        Storage(self.bits, self.group, self.residual)  # checks the numbers
 
     @property
     def per_byte(self) -> int:
@@ -175,9 +165,8 @@ def make_codec(
     """The codec for `kv_bits` (16: full precision); `kv_group` defaults to 32 channels, or the head dimension
     when that is smaller, `kv_residual` to 32 entries. With `head_dim`, checked against it (a clear error
     names the problem)."""
+    Storage(kv_bits, kv_group, kv_residual)  # checks the numbers
     if kv_bits == 16:
-        if kv_group is not None or kv_residual is not None:
-            raise PolicyError("kv_group and kv_residual apply to quantized entries: give them with kv_bits=8, 4 or 2")
         return FULL_PRECISION
     group = kv_group if kv_group is not None else min(DEFAULT_GROUP, head_dim or DEFAULT_GROUP)
     codec = Quantized(kv_bits, group, DEFAULT_RESIDUAL if kv_residual is None else kv_residual)
@@ -186,27 +175,8 @@ def make_codec(
     return codec
 
 
-@dataclass(frozen=True)
-class Storage:
-    """How kept entries are stored, with `kvsieve.compress`'s names: `kv_bits` (16: the model's dtype; 8, 4, 2),
-    `kv_group` channels per scale (default 32, or the head dimension when smaller) and the `kv_residual` newest
-    entries of every (row, kv-head) kept in full precision (default 32). Checked when built."""
-
-    kv_bits: int = 16
-    kv_group: int | None = None
-    kv_residual: int | None = None
-
-    def __post_init__(self) -> None:
-        make_codec(self.kv_bits, self.kv_group, kv_residual=self.kv_residual)
-
-    def codec(self, model: torch.nn.Module) -> EntryCodec:
-        """The codec for `model`'s entries (a clear error when the group does not fit its head dimension)."""
-        check_model(model)
-        return make_codec(self.kv_bits, self.kv_group, kv_geometry(model)[1], self.kv_residual)
-
-    def parameters(self) -> dict[str, int]:
-        """The parameters that differ from full precision, by name."""
-        return {key: value for key, value in dataclasses.asdict(self).items() if value not in (16, None)}
-
-
-FULL_STORAGE = Storage()
+def storage_codec(storage: Storage, model: torch.nn.Module) -> EntryCodec:
+    """The codec that stores `model`'s entries as `storage` says (a clear error when the group does not fit its
+    head dimension)."""
+    check_model(model)
+    return make_codec(storage.kv_bits, storage.kv_group, kv_geometry(model)[1], storage.kv_residual)

@@ -17,9 +17,10 @@ from ..selection.protection import question_protection
 from ..selection.spec import make_policy
 from .attention import sieve_attention
 from .cache import SievedCache
-from .codecs import FULL_PRECISION, EntryCodec, Storage, residual_nbytes, stored_entry_bytes
+from .codecs import EntryCodec, residual_nbytes, storage_codec, stored_entry_bytes
+from .compat import cache_argument
 from .growth import DEFAULT_BUFFER, BoundedGrowth
-from .inputs import check_input_ids
+from .inputs import check_input_ids, protected_positions
 from .prefill import Prefill, observe_prefill
 from .reconstruction import reconstruct
 
@@ -64,7 +65,7 @@ def compress(
     attention_mask: torch.Tensor | None = None,
     allocator: str | None = None,
     question_ids: torch.Tensor | None = None,
-    protect_positions: torch.Tensor | None = None,
+    protect_positions: Sequence[int] | torch.Tensor | None = None,
     spans: torch.Tensor | None = None,
     kv_bits: int = 16,
     kv_group: int | None = None,
@@ -96,7 +97,8 @@ def compress(
 
     Args:
         input_ids: `[batch, tokens]`; pad with `attention_mask` (left or right padding).
-        policy: a `Policy` or a spec such as ``"snapkv"`` or ``"snapkv+adaptive:window=16"``.
+        policy: a `Policy` or a spec such as ``"snapkv"``, ``"snapkv+adaptive:window=16"`` or
+            ``"trimkv+global:kv_bits=4"`` (`kvsieve.make_policy`).
         rate: evicted fraction of the evictable entries, in [0, 1).
         max_tokens: entries kept per (layer, kv-head) on average; the allocator decides the split.
         max_bytes: bytes of keys and values kept per sequence (all layers).
@@ -106,7 +108,8 @@ def compress(
         attention_mask: `[batch, tokens]`, 1 for real tokens and 0 for padding.
         allocator: ``uniform``, ``pyramid``, ``adaptive`` or ``global``, if `policy` names none.
         question_ids: `[batch, q]` tokens of the question, for question-aware compression (unpadded rows).
-        protect_positions: token positions (counted over each sequence's real tokens) never to evict.
+        protect_positions: token positions (a list or 1-D tensor of ints, counted over each sequence's real
+            tokens, each before the end of `input_ids`) never to evict.
         spans: the spans ``projection=sentence`` keeps whole: a span id (e.g. the sentence number,
             `kvsieve.sentence_spans`) per token position, `[tokens]` (counted over each
             sequence's real tokens, the same for every row) or `[batch, tokens]` (the shape of
@@ -116,14 +119,16 @@ def compress(
             (`kvsieve.runtime.codecs.Quantized`: each key and value on its own, a scale and a minimum per
             `kv_group` channels, default 32), the newest `kv_residual` (default 32) of every (row,
             kv-head) in full precision; `max_bytes` counts those bytes. The prefill and its scoring read
-            the entries as computed; later forwards read them back quantized.
+            the entries as computed; later forwards read them back quantized. The spec may say them too
+            (``"snapkv:kv_bits=4"``); a value here that contradicts the spec's is an error, and the defaults
+            (16, None) leave the spec's.
         tokenizer: the model's tokenizer, for a scorer that asks the model to repeat the prompt (``kvzip``).
         policy_params: scorer and allocator parameters, the protection (`n_sink`, `n_recent`) and the
             projection (`projection`: ``topk``, ``chunk``, ``sentence``; `chunk_size` for ``chunk``).
     """
     budget = make_budget(rate, max_tokens, max_bytes)
-    resolved = make_policy(policy, allocator, **policy_params)
-    codec = Storage(kv_bits, kv_group, kv_residual).codec(model)
+    storage = {"kv_bits": kv_bits, "kv_group": kv_group, "kv_residual": kv_residual}
+    resolved = make_policy(policy, allocator, **storage, **policy_params)
     return compress_with(
         model,
         input_ids,
@@ -135,7 +140,6 @@ def compress(
         question_ids=question_ids,
         protect_positions=protect_positions,
         spans=spans,
-        codec=codec,
         tokenizer=tokenizer,
     )
 
@@ -150,21 +154,25 @@ def compress_with(
     chunk: int | None = None,
     attention_mask: torch.Tensor | None = None,
     question_ids: torch.Tensor | None = None,
-    protect_positions: torch.Tensor | None = None,
+    protect_positions: Sequence[int] | torch.Tensor | None = None,
     spans: torch.Tensor | None = None,
-    codec: EntryCodec = FULL_PRECISION,
+    codec: EntryCodec | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> SievedCache:
-    """`compress` with the policy, the budget and the codec already built (`make_policy`, `make_budget`,
-    `Storage.codec`)."""
+    """`compress` with the policy and the budget already built (`make_policy`, `make_budget`); `codec`: how the
+    entries are stored (`storage_codec`), by default as the policy's storage says."""
     check_input_ids(model, input_ids)
+    codec = storage_codec(policy.storage, model) if codec is None else codec
+    protect_positions = protected_positions(protect_positions, input_ids.shape[-1])
     refuse_unevictable(model, budget)
     row_spans = spans_per_row(spans, input_ids, attention_mask)
     if policy.projection.needs_spans and row_spans is None:
         raise PolicyError(MISSING_SPANS)
     if question_ids is not None:
         input_ids, protected = _with_question(model, input_ids, attention_mask, question_ids, policy.n_recent)
-        protect_positions = protected if protect_positions is None else torch.cat([protect_positions, protected])
+        protect_positions = (
+            protected if protect_positions is None else torch.cat([protect_positions.to(protected.device), protected])
+        )
         attention_mask = None
     growth = None
     if chunk is not None or buffer is not None:
@@ -285,7 +293,12 @@ def _feed_chunks(
     cache.growth = growth
     with sieve_attention(model):
         for start in range(0, rest.shape[1], chunk):
-            model(input_ids=rest[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(
+                input_ids=rest[:, start : start + chunk],
+                **cache_argument(model, cache),
+                use_cache=True,
+                logits_to_keep=1,
+            )
     growth.evict(cache)
 
 
@@ -307,7 +320,7 @@ def _feed_chunks_reconstructing(
     with sieve_attention(model):
         for start in range(chunk, n, chunk):
             end = min(start + chunk, n)
-            model(input_ids=input_ids[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=input_ids[:, start:end], **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
             if end == n or growth.overflows(cache, min(chunk, n - end)):
                 fed = input_ids[:, :end]
                 growth.evict(cache, reconstruct(model, cache, fed, growth.policy.needs.reconstruction, tokenizer))
@@ -339,20 +352,22 @@ def bounded_cache(
         policy, allocator, policy_params: as for `compress`.
         max_tokens, max_bytes: the size (one of them), as for `compress`.
         buffer: entries per (layer, kv-head) the cache grows past the budget before it is evicted.
-        kv_bits, kv_group, kv_residual: how entries are stored, as for `compress` (from the first token).
+        kv_bits, kv_group, kv_residual: how entries are stored, as for `compress` (from the first token; the
+            spec may say them).
     """
     if max_tokens is None and max_bytes is None:
         raise PolicyError("a bounded cache needs a size: max_tokens or max_bytes")
-    resolved = make_policy(policy, allocator, **policy_params)
+    storage = {"kv_bits": kv_bits, "kv_group": kv_group, "kv_residual": kv_residual}
+    resolved = make_policy(policy, allocator, **storage, **policy_params)
     budget = make_budget(None, max_tokens, max_bytes)
-    return bounded_cache_with(model, resolved, budget, buffer, Storage(kv_bits, kv_group, kv_residual).codec(model))
+    return bounded_cache_with(model, resolved, budget, buffer)
 
 
 def bounded_cache_with(
-    model: torch.nn.Module, policy: Policy, budget: SizeBudget, buffer: int, codec: EntryCodec = FULL_PRECISION
+    model: torch.nn.Module, policy: Policy, budget: SizeBudget, buffer: int, codec: EntryCodec | None = None
 ) -> SievedCache:
-    """`bounded_cache` with the policy, the size and the codec already built."""
+    """`bounded_cache` with the policy and the size already built; `codec` as for `compress_with`."""
     refuse_unevictable(model, budget)
-    cache = SievedCache.for_model(model, codec)
+    cache = SievedCache.for_model(model, storage_codec(policy.storage, model) if codec is None else codec)
     cache.growth = BoundedGrowth.of(policy, budget, buffer, model)
     return cache

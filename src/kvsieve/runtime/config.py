@@ -12,7 +12,8 @@ from ..selection.deprecation import renamed_keywords
 from ..selection.errors import PolicyError
 from ..selection.policy import Policy
 from ..selection.spec import make_policy
-from .codecs import EntryCodec, Storage
+from ..selection.storage import Storage
+from .codecs import EntryCodec, storage_codec
 from .decoding import refuse_span_projection
 from .growth import DEFAULT_BUFFER
 
@@ -30,7 +31,8 @@ class EvictionConfig:
     kv-head) (`buffer=None`: compress the prompt only). `policy` is a `Policy` or a spec (scorer,
     optionally ``+allocator`` and parameters); `allocator`, `n_sink` and `n_recent` override the
     spec's. `kv_bits` (16, 8, 4, 2), `kv_group` and `kv_residual` say how the kept entries are
-    stored (`kvsieve.compress`). The keywords of kvsieve 0.1 (`eviction_rate`, `eviction_mode`, `budget` for the
+    stored (`kvsieve.compress`); the spec may say it instead (``"h2o:kv_bits=8"``; a contradiction is
+    an error). The keywords of kvsieve 0.1 (`eviction_rate`, `eviction_mode`, `budget` for the
     allocator, `sliding_window` for `n_recent`) still work, with a `DeprecationWarning`.
     """
 
@@ -64,9 +66,9 @@ class EvictionConfig:
                 raise PolicyError(f"EvictionConfig: give {name}= only (it has a deprecated name too)")
             object.__setattr__(self, name, value)
         self.limit()  # validates the budget
-        self.storage()  # validates it (the head dimension: `codec`)
         overrides = {k: v for k, v in (("n_sink", self.n_sink), ("n_recent", self.n_recent)) if v is not None}
-        policy = make_policy(self.policy, self.allocator, **overrides)
+        storage = {"kv_bits": self.kv_bits, "kv_group": self.kv_group, "kv_residual": self.kv_residual}
+        policy = make_policy(self.policy, self.allocator, **storage, **overrides)  # checks the storage too
         refuse_span_projection(policy)
         if self.sized and self.buffer is not None:
             check_count("buffer", self.buffer)
@@ -82,12 +84,12 @@ class EvictionConfig:
         return make_budget(self.rate, self.max_tokens, self.max_bytes)
 
     def storage(self) -> Storage:
-        """How the kept entries are stored."""
-        return Storage(self.kv_bits, self.kv_group, self.kv_residual)
+        """How the kept entries are stored (the policy's storage, with `kv_bits`, ... given here)."""
+        return self.resolved.storage
 
     def codec(self, model: torch.nn.Module) -> EntryCodec:
         """How the model's kept entries are stored (checked against its head dimension)."""
-        return self.storage().codec(model)
+        return storage_codec(self.storage(), model)
 
     def generation_buffer(self) -> int | None:
         """The buffer that bounds generation: `buffer` for a size, None for a rate."""

@@ -11,7 +11,8 @@ at the size. Beam search is refused: rows of a compressed cache are not reordere
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,11 +20,13 @@ import torch
 from ..selection.budget import Budget, Rate
 from ..selection.errors import PolicyError
 from ..selection.policy import Policy
+from ..selection.projection import MISSING_SPANS
 from .attention import sieve_attention
 from .cache import SievedCache
-from .codecs import FULL_PRECISION, EntryCodec
+from .codecs import FULL_PRECISION, EntryCodec, storage_codec
+from .compat import cache_argument
 from .compress import BUFFER_NEEDS_SIZE, bounded_cache_with, compress_with
-from .inputs import check_input_ids, real_tokens
+from .inputs import check_input_ids, protected_positions, real_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -36,12 +39,34 @@ def refuse_beams(model: torch.nn.Module, generate_kwargs: dict, what: str) -> No
 
 
 def refuse_span_projection(policy: Policy) -> None:
-    """A clear error for a policy whose projection needs caller-given spans, which `generate()` cannot take."""
+    """A clear error for a policy whose projection needs caller-given spans, which `apply()` cannot take."""
     if policy.projection.needs_spans:
         raise PolicyError(
-            f"policy {policy.name!r}: projection=sentence needs spans, which generate() cannot take; use "
-            "kvsieve.compress(..., spans=...) and decode from its cache"
+            f"policy {policy.name!r}: projection=sentence needs spans, which apply() cannot take; use "
+            "kvsieve.generate(..., spans=...), or kvsieve.compress(..., spans=...) and decode from its cache"
         )
+
+
+@dataclass(frozen=True)
+class PromptOptions:
+    """What `kvsieve.generate` passes on to the compression of its prompt besides the policy and the budget, with
+    `kvsieve.compress`'s names (`apply` passes none: they are not `model.generate`'s keywords)."""
+
+    chunk: int | None = None
+    protect_positions: Sequence[int] | torch.Tensor | None = None
+    spans: torch.Tensor | None = None
+
+    def up_to(self, n: int) -> dict[str, object]:
+        """The options for the prompt's first `n` tokens (positions are checked against the whole prompt first)."""
+        protect, spans = self.protect_positions, self.spans
+        return {
+            "chunk": self.chunk,
+            "protect_positions": None if protect is None else protect[protect < n],
+            "spans": spans[..., :n] if isinstance(spans, torch.Tensor) else spans,
+        }
+
+
+NO_OPTIONS = PromptOptions()
 
 
 def prompt_with_question(
@@ -63,10 +88,18 @@ def compressed_prompt(
     policy: Policy,
     budget: Budget,
     buffer: int | None,
-    codec: EntryCodec = FULL_PRECISION,
+    codec: EntryCodec | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    options: PromptOptions = NO_OPTIONS,
 ) -> SievedCache | None:
-    """The cache every token of the prompt but the last is compressed into, or None where the module rule says so."""
+    """The cache every token of the prompt but the last is compressed into, or None where the module rule says so.
+
+    `codec`: by default as the policy's storage says. `options`: `kvsieve.generate`'s `chunk`, `protect_positions`
+    (over `input_ids`, the context) and `spans`.
+    """
+    codec = storage_codec(policy.storage, model) if codec is None else codec
+    protect = protected_positions(options.protect_positions, input_ids.shape[-1])
+    options = PromptOptions(options.chunk, protect, options.spans)
     context = int(real_tokens(input_ids, attention_mask).sum(dim=-1).min())
     if question_ids is None or question_ids.shape[-1] == 1:
         context -= 1  # the last token of the context is the one `generate` feeds first
@@ -76,12 +109,13 @@ def compressed_prompt(
         budget = Rate(0.0)  # nothing to evict, but the entries are stored as asked
     if budget.is_size and context < 1:
         return None if buffer is None else bounded_cache_with(model, policy, budget, buffer, codec)
-    options = {"buffer": buffer, "attention_mask": attention_mask, "codec": codec, "tokenizer": tokenizer}
+    settings = {"buffer": buffer, "attention_mask": attention_mask, "codec": codec, "tokenizer": tokenizer}
     if question_ids is not None and question_ids.shape[-1] > 1:
-        return compress_with(model, input_ids, policy, budget, question_ids=question_ids[:, :-1], **options)
+        settings |= options.up_to(input_ids.shape[-1])
+        return compress_with(model, input_ids, policy, budget, question_ids=question_ids[:, :-1], **settings)
     ids, mask = prompt_with_question(input_ids, attention_mask, question_ids)
-    options["attention_mask"] = None if attention_mask is None else mask[:, :-1]
-    return compress_with(model, ids[:, :-1], policy, budget, **options)
+    settings["attention_mask"] = None if attention_mask is None else mask[:, :-1]
+    return compress_with(model, ids[:, :-1], policy, budget, **settings, **options.up_to(ids.shape[-1] - 1))
 
 
 def generate_compressed(
@@ -94,12 +128,14 @@ def generate_compressed(
     *,
     attention_mask: torch.Tensor | None = None,
     question_ids: torch.Tensor | None = None,
-    codec: EntryCodec = FULL_PRECISION,
+    codec: EntryCodec | None = None,
+    options: PromptOptions = NO_OPTIONS,
     **generate_kwargs: object,
 ) -> tuple[torch.Tensor, SievedCache | None]:
     """Compress the prompt, then run `generate` (the model's own) from the cache under sieve attention.
 
-    `buffer` (a size budget only) keeps the size while generating; `codec` stores the entries.
+    `buffer` (a size budget only) keeps the size while generating; `codec` stores the entries (by default as
+    the policy's storage says); `options` go to the compression (`compressed_prompt`).
     Returns what `generate` returns (the prompt, then the new tokens) and the cache (None where the
     prompt was too short to evict, see the module docstring). A `tokenizer` among `generate_kwargs`
     (`model.generate` reads it for stop strings) also reaches the compression (``kvzip`` needs it).
@@ -107,13 +143,16 @@ def generate_compressed(
     check_input_ids(model, input_ids)
     if question_ids is not None:
         check_input_ids(model, question_ids, "question_ids")
-    refuse_span_projection(policy)
+    if policy.projection.needs_spans and options.spans is None:
+        raise PolicyError(MISSING_SPANS)
     if buffer is not None and not budget.is_size:
         raise PolicyError(BUFFER_NEEDS_SIZE)
     bounded = "a bounded cache (max_tokens, max_bytes)"
     refuse_beams(model, generate_kwargs, bounded if buffer is not None else "a compressed cache")
     tokenizer = generate_kwargs.get("tokenizer")
-    cache = compressed_prompt(model, input_ids, attention_mask, question_ids, policy, budget, buffer, codec, tokenizer)
+    cache = compressed_prompt(
+        model, input_ids, attention_mask, question_ids, policy, budget, buffer, codec, tokenizer, options
+    )
     prompt, mask = prompt_with_question(input_ids, attention_mask, question_ids)
     with sieve_attention(model):
-        return generate(prompt, attention_mask=mask, past_key_values=cache, **generate_kwargs), cache
+        return generate(prompt, attention_mask=mask, **cache_argument(model, cache), **generate_kwargs), cache

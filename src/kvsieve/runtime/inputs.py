@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..selection.errors import UnhookableModelError
@@ -43,3 +45,31 @@ def real_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) ->
     if empty.numel():
         raise ValueError(f"sequence(s) {empty.tolist()} of the batch have no real token (attention_mask all 0)")
     return real
+
+
+def protected_positions(positions: Sequence[int] | torch.Tensor | None, n_context: int) -> torch.Tensor | None:
+    """`protect_positions` (a list or 1-D tensor of ints) as a LongTensor, each in [0, `n_context`), or a clear
+    error that names the first position outside the context."""
+    if positions is None:
+        return None
+    try:
+        tensor = torch.as_tensor(positions)
+    except (TypeError, ValueError, RuntimeError):
+        tensor = None
+    if tensor is not None and tensor.numel() == 0:
+        return tensor.long().flatten()
+    if (
+        tensor is None
+        or tensor.ndim != 1
+        or tensor.is_floating_point()
+        or tensor.is_complex()
+        or tensor.dtype == torch.bool
+    ):
+        raise ValueError(f"protect_positions must be a list or 1-D tensor of token positions (ints), got {positions!r}")
+    outside = tensor[(tensor < 0) | (tensor >= n_context)]
+    if outside.numel():
+        raise ValueError(
+            f"protect_positions holds position {int(outside[0])}, outside the context of {n_context} tokens "
+            f"(positions 0 to {n_context - 1}, counted over each sequence's real tokens)"
+        )
+    return tensor.long()

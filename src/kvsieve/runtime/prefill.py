@@ -20,6 +20,7 @@ from ..selection.observation import DEFAULT_WINDOW, Needs, Observation, Statisti
 from ..selection.rotary import Rotary, find_rotary
 from .attention import sieve_attention
 from .cache import SievedCache, SievedLayer
+from .compat import cache_argument
 from .inputs import check_input_ids, real_tokens
 from .kernels import observed_attention
 from .layout import RaggedLayout
@@ -168,7 +169,7 @@ def observe_prefill(
     recorder = PrefillRecorder(needs, real, needed_gates(model, needs))
     cache = SievedCache.for_model(model)
     cache.recorder = recorder
-    inputs = {"input_ids": input_ids, "past_key_values": cache, "use_cache": True}
+    inputs = {"input_ids": input_ids, **cache_argument(model, cache), "use_cache": True}
     if recorder.padded:
         inputs |= {"attention_mask": real.long(), "position_ids": (real.long().cumsum(-1) - 1).clamp(min=0)}
     try:

@@ -17,6 +17,7 @@ import torch
 from ..selection.observation import Reconstruction
 from .attention import sieve_attention, visibility
 from .cache import SievedCache
+from .compat import cache_argument
 from .layout import RaggedLayout
 
 if TYPE_CHECKING:
@@ -176,5 +177,5 @@ def _repeat_after(
                 mask = torch.cat([real, real.new_ones(1, ids.shape[1])], dim=-1).long()
                 positions = torch.arange(ids.shape[1], device=ids.device)[None] + int(real.sum())
                 padding = {"attention_mask": mask, "position_ids": positions}
-            model(input_ids=ids, past_key_values=copy, use_cache=True, logits_to_keep=1, **padding)
+            model(input_ids=ids, **cache_argument(model, copy), use_cache=True, logits_to_keep=1, **padding)
     return recorder.most

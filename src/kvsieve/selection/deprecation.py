@@ -1,4 +1,4 @@
-"""Keywords renamed in kvsieve 0.2: the old names keep working for one release, with a `DeprecationWarning`."""
+"""Keywords renamed in kvsieve 0.2: the old names keep working through 0.3, with a `DeprecationWarning`."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def renamed_keywords(params: Mapping[str, object], where: str, old_names: Collec
     for old in [key for key in out if key in old_names]:
         new = RENAMED[old]
         warnings.warn(
-            f"{where}: {old}= is deprecated and will be removed in the next release; use {new}=",
+            f"{where}: {old}= is deprecated and will be removed in kvsieve 0.4; use {new}=",
             DeprecationWarning,
             stacklevel=4,
         )

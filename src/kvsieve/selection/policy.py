@@ -1,4 +1,5 @@
-"""Policy = scorer + allocator + projection + protection: which entries of one sequence to keep."""
+"""Policy = scorer + allocator + projection + protection: which entries of one sequence to keep (and how they are
+stored)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from .observation import Needs, Observation
 from .projection import Projection, TopK, check_spans
 from .protection import DEFAULT_N_RECENT, DEFAULT_N_SINK, PROTECTION_DEFAULTS, protected_mask
 from .scorers import Scorer
+from .storage import FULL_STORAGE, Storage
 
 
 def _format(value: object) -> str:
@@ -41,7 +43,9 @@ class Policy:
     hold the same bytes. The projection (`kvsieve.selection.projection`) picks each (layer,
     kv-head)'s entries from its scores and its count: `TopK` (entry by entry), `Chunks` (whole
     chunks of token positions, ChunkKV, arXiv 2502.00299) or `Sentences` (whole caller-given spans).
-    The first `n_sink` entries and the last `n_recent` of every head are never evicted.
+    The first `n_sink` entries and the last `n_recent` of every head are never evicted. `storage`
+    (`kvsieve.selection.storage`) says how the kept entries are stored (``kv_bits=4``); `select` does not
+    read it (its caller passes the bytes an entry is stored in), the runtime stores them so.
     """
 
     scorer: Scorer
@@ -49,6 +53,7 @@ class Policy:
     projection: Projection = field(default_factory=TopK)
     n_sink: int = DEFAULT_N_SINK
     n_recent: int = DEFAULT_N_RECENT
+    storage: Storage = FULL_STORAGE
 
     def __post_init__(self) -> None:
         if self.n_sink < 0 or self.n_recent < 0:
@@ -56,13 +61,14 @@ class Policy:
 
     @property
     def name(self) -> str:
-        """The canonical spec: `scorer[+allocator][:parameters that differ from the defaults]`."""
+        """The canonical spec: `scorer[+allocator][:parameters that differ from the defaults]`, storage keys last."""
         head = self.scorer.name if self.allocator.name == "uniform" else f"{self.scorer.name}+{self.allocator.name}"
         params = [*non_defaults(self.scorer), *non_defaults(self.allocator)]
         protection = {key: getattr(self, key) for key in PROTECTION_DEFAULTS}
         params += [f"{key}={value}" for key, value in protection.items() if value != PROTECTION_DEFAULTS[key]]
         if self.projection.name != TopK.name:
             params += [f"projection={self.projection.name}", *non_defaults(self.projection)]
+        params += [f"{key}={value}" for key, value in self.storage.parameters().items()]
         return f"{head}:{','.join(params)}" if params else head
 
     @property

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .observation import Observation
@@ -14,7 +16,7 @@ PROTECTION_DEFAULTS = {"n_sink": DEFAULT_N_SINK, "n_recent": DEFAULT_N_RECENT}
 
 
 def protected_mask(
-    obs: Observation, n_sink: int, n_recent: int, protect_positions: torch.Tensor | None = None
+    obs: Observation, n_sink: int, n_recent: int, protect_positions: Sequence[int] | torch.Tensor | None = None
 ) -> torch.Tensor:
     """`[kv_heads, n]` bool: each head's first `n_sink` and last `n_recent` entries, and the given positions."""
     valid = obs.valid_mask
@@ -22,7 +24,7 @@ def protected_mask(
     count = valid.sum(dim=-1, keepdim=True)
     mask = (rank < n_sink) | (rank >= count - n_recent)
     if protect_positions is not None:
-        mask |= torch.isin(obs.positions, protect_positions.to(obs.positions.device))
+        mask |= torch.isin(obs.positions, torch.as_tensor(protect_positions, device=obs.positions.device))
     return mask & valid
 
 

@@ -2,8 +2,9 @@
 
 A spec names a scorer (`kvsieve.selection.scorers`) and optionally an allocator
 (`kvsieve.selection.allocators`, ``uniform`` by default); its parameters belong to the scorer, the
-allocator, the protection (`n_sink`, `n_recent`) or the projection (``projection=topk|chunk|sentence``
-and the chosen projection's own parameters, e.g. `chunk_size`). `Policy.name` writes the spec back.
+allocator, the protection (`n_sink`, `n_recent`), the projection (``projection=topk|chunk|sentence``
+and the chosen projection's own parameters, e.g. `chunk_size`) or the storage of the kept entries
+(`kv_bits`, `kv_group`, `kv_residual`: `kvsieve.selection.storage`). `Policy.name` writes the spec back.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .policy import Policy
 from .projection import PROJECTIONS, Projection, TopK
 from .protection import PROTECTION_DEFAULTS
 from .scorers import SCORERS
+from .storage import STORAGE_KEYS, Storage
 
 #: Deprecated keywords `make_policy` (and everything that passes policy parameters on to it) still takes.
 DEPRECATED_PARAMETERS = ("budget", "sliding_window")
@@ -45,6 +47,8 @@ def _text_parameters(text: str) -> dict[str, str]:
         key, eq, value = (x.strip() for x in item.partition("="))
         if not eq:
             raise PolicyError(f"policy parameter {item!r} is not key=value")
+        if key in given:
+            raise PolicyError(f"policy parameter {key} is given twice")
         given[key] = value
     return given
 
@@ -85,18 +89,41 @@ def _names(spec: str, allocator: str | None) -> tuple[str, str, str]:
     return scorer_name, allocator_name, text
 
 
+def _parts(scorer_name: str, allocator_name: str) -> dict[str, dict[str, object]]:
+    """The parameters of a policy's parts, with their defaults: scorer, allocator, protection, projection."""
+    return {
+        "scorer": _defaults(SCORERS[scorer_name]),
+        "allocator": _defaults(ALLOCATORS[allocator_name]),
+        "protection": dict(PROTECTION_DEFAULTS),
+        "projection": {"projection": TopK.name} | {k: v for c in PROJECTIONS.values() for k, v in _defaults(c).items()},
+    }
+
+
+def policy_keywords() -> frozenset[str]:
+    """Every keyword `make_policy` takes as a parameter of some policy: the fields of every scorer, allocator and
+    projection, the protection, `projection`, the storage keys and the deprecated names."""
+    classes = [*SCORERS.values(), *ALLOCATORS.values(), *PROJECTIONS.values()]
+    fields = {key for cls in classes for key in _defaults(cls)}
+    return frozenset({*fields, *PROTECTION_DEFAULTS, "projection", *STORAGE_KEYS, *DEPRECATED_PARAMETERS})
+
+
 def make_policy(spec: str | Policy, allocator: str | None = None, **params: object) -> Policy:
     """Build a policy from ``"scorer[+allocator][:key=value,...]"`` (or return a given `Policy`).
 
     Args:
-        spec: e.g. ``"snapkv"``, ``"snapkv+adaptive:window=32"``, ``"importance+global:calibration=zscore"``.
+        spec: e.g. ``"snapkv"``, ``"snapkv+adaptive:window=32"``, ``"importance+global:calibration=zscore"``,
+            ``"trimkv+global:kv_bits=4"``.
         allocator: ``uniform``, ``pyramid``, ``adaptive`` or ``global``, if `spec` names none.
         params: override the spec's; keys are the scorer's and the allocator's fields plus `n_sink`,
             `n_recent`, `projection` (``topk``, ``chunk``, ``sentence``, or a `Projection`) and the
             projection's own (`chunk_size` for ``chunk``), e.g. ``"snapkv+global:projection=chunk,chunk_size=16"``.
             The deprecated `budget` (the allocator) and `sliding_window` (`n_recent`) still work, with a warning.
+            The storage keys `kv_bits`, `kv_group`, `kv_residual` (`kvsieve.selection.storage.Storage`) may
+            also be given with a `Policy`; one the spec (or the `Policy`) sets to another value is an error,
+            and None (or `kv_bits=16`) sets nothing.
     """
     params = renamed_keywords(params, "make_policy", DEPRECATED_PARAMETERS)
+    storage = {key: params.pop(key) for key in STORAGE_KEYS if key in params}
     if "allocator" in params:
         if allocator is not None:
             raise PolicyError("give the allocator once")
@@ -104,20 +131,17 @@ def make_policy(spec: str | Policy, allocator: str | None = None, **params: obje
     if isinstance(spec, Policy):
         if params or allocator is not None:
             raise PolicyError("parameters or an allocator cannot be given together with a Policy object")
-        return spec
+        stored = spec.storage.merged(storage, spec.name)
+        return spec if stored == spec.storage else dataclasses.replace(spec, storage=stored)
     scorer_name, allocator_name, text = _names(spec, allocator)
-    parts = {
-        "scorer": _defaults(SCORERS[scorer_name]),
-        "allocator": _defaults(ALLOCATORS[allocator_name]),
-        "protection": dict(PROTECTION_DEFAULTS),
-        "projection": {"projection": TopK.name} | {k: v for c in PROJECTIONS.values() for k, v in _defaults(c).items()},
-    }
+    parts = _parts(scorer_name, allocator_name)
     owner = {key: part for part, defaults in parts.items() for key in defaults}
     label = scorer_name if allocator_name == "uniform" else f"{scorer_name}+{allocator_name}"
     given: dict[str, object] = renamed_keywords(_text_parameters(text), f"policy {spec!r}", ("sliding_window",))
+    said = {key: _convert(given.pop(key), 0, key) for key in STORAGE_KEYS if key in given}
     for key in [*given, *params]:
         if key not in owner:
-            raise PolicyError(f"unknown parameter {key!r} for {label}; valid: {', '.join(owner)}")
+            raise PolicyError(f"unknown parameter {key!r} for {label}; valid: {', '.join([*owner, *STORAGE_KEYS])}")
     given = {key: _convert(value, parts[owner[key]][key], key) for key, value in given.items()} | params
     kwargs = {part: {k: v for k, v in given.items() if owner[k] == part} for part in parts}
     try:
@@ -125,7 +149,8 @@ def make_policy(spec: str | Policy, allocator: str | None = None, **params: obje
         allocator_obj = ALLOCATORS[allocator_name](**kwargs["allocator"])
     except (TypeError, ValueError) as err:
         raise PolicyError(f"{spec}: {err}") from None
-    return Policy(scorer, allocator_obj, _projection(kwargs["projection"]), **kwargs["protection"])
+    stored = Storage(**said).merged(storage, spec)
+    return Policy(scorer, allocator_obj, _projection(kwargs["projection"]), **kwargs["protection"], storage=stored)
 
 
 def split_policies(text: str) -> list[str]:

@@ -25,7 +25,7 @@ press: the cache is compressed to a fixed number of entries per head after every
 With `kv_bits` 4 or 2, the press compresses `transformers`' quantized cache, as kvpress supports
 (`kvsieve.harness.compare.kvpress_quantized`).
 
-Install with ``pip install "kvsieve[compare]"``.
+Install the ``compare`` extra (kvpress and optimum-quanto pin ``transformers<5.3``: ``make setup-compare``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ from typing import Any
 import torch
 from transformers import Cache, DynamicCache, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
+
+from kvsieve.harness import install_hint
+from kvsieve.runtime.compat import cache_argument, query_length
 
 from ...runtime.attention import attention_implementation
 from ...runtime.codecs import DEFAULT_GROUP
@@ -65,7 +68,7 @@ KVPRESS_PRESSES: tuple[str, ...] = (
     "kvzip",
 )
 
-INSTALL_HINT = 'pip install "kvsieve[compare]"'
+INSTALL_HINT = install_hint("compare")
 
 #: The attention kvpress runs on: its AdaKV masking patches the registered SDPA function.
 KVPRESS_ATTENTION = "sdpa"
@@ -162,8 +165,8 @@ class PrunedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.stored_length() + self.n_missing
 
-    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
-        return self.stored_length() + cache_position.shape[0], self.n_missing
+    def get_mask_sizes(self, query: torch.Tensor | int) -> tuple[int, int]:
+        return self.stored_length() + query_length(query), self.n_missing
 
 
 def _prune(cache: DynamicCache, n_context: int) -> None:
@@ -329,7 +332,7 @@ class PressedCache:
         with self.decoding(model):
             return model.generate(
                 input_ids,
-                past_key_values=copy.deepcopy(self.cache),
+                **cache_argument(model, copy.deepcopy(self.cache)),
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
             )
@@ -338,7 +341,7 @@ class PressedCache:
     def forward(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits `[1, q, vocab]` of the tokens after the context (teacher forced), from a copy of the cache."""
         with self.decoding(model):
-            return model(input_ids=input_ids, past_key_values=copy.deepcopy(self.cache)).logits
+            return model(input_ids=input_ids, **cache_argument(model, copy.deepcopy(self.cache))).logits
 
 
 @torch.no_grad()
@@ -410,7 +413,7 @@ def kvpress_compress(
             _synchronize(context_ids.device)
             start = time.perf_counter()
             with _pressing(pressed, model):
-                model.model(input_ids=context_ids, past_key_values=cache)
+                model.model(input_ids=context_ids, **cache_argument(model, cache))
             _synchronize(context_ids.device)
             seconds = time.perf_counter() - start - bookkeeping[0]
         if press in GLOBAL_PRESSES:  # it masks after its reconstruction, outside `compress`
@@ -506,7 +509,9 @@ class PressStream:
         """Logits `[rows, c, vocab]` of a chunk whose first token sits at position `start`."""
         positions = torch.arange(start, start + chunk_ids.shape[1], device=chunk_ids.device)
         positions = positions.expand(chunk_ids.shape[0], -1)
-        out = self.model(input_ids=chunk_ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
+        out = self.model(
+            input_ids=chunk_ids, position_ids=positions, **cache_argument(self.model, self.cache), use_cache=True
+        )
         return out.logits
 
     def nbytes(self) -> int:

@@ -21,9 +21,12 @@ import torch
 from transformers import Cache, PreTrainedConfig, QuantizedCache
 from transformers.cache_utils import QuantizedLayer, QuantoQuantizedLayer
 
+from kvsieve.harness import install_hint
+from kvsieve.runtime.compat import query_length
+
 #: Bits per number kvpress's quantized cache stores here (optimum-quanto's qint2 and qint4).
 KVPRESS_KV_BITS = (2, 4)
-QUANTO_HINT = 'pip install "kvsieve[compare]" (kvpress with optimum-quanto)'
+QUANTO_HINT = f"{install_hint('compare')} (kvpress with optimum-quanto)"
 
 
 class PrunedQuantizedLayer(QuantoQuantizedLayer):
@@ -39,8 +42,8 @@ class PrunedQuantizedLayer(QuantoQuantizedLayer):
     def get_seq_length(self) -> int:
         return self.cumulative_length + self.n_missing
 
-    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
-        return self.cumulative_length + cache_position.shape[0], self.n_missing
+    def get_mask_sizes(self, query: torch.Tensor | int) -> tuple[int, int]:
+        return self.cumulative_length + query_length(query), self.n_missing
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PrunedQuantizedLayer:
         """A copy sharing the quantized tensors, which quanto cannot deep-copy; `update` replaces them, never

@@ -2,39 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import operator
 
-from ...runtime.codecs import Storage
 from ...selection.errors import PolicyError
 from ...selection.policy import Policy
 from ...selection.spec import make_policy, split_policies
 from .methods import FULL, KVPRESS_PREFIX, CacheMethod, FullCache, KvpressPress, KvsievePolicy
 
-#: Parameters of a kvsieve spec that say how the kept entries are stored, not which are kept.
-STORAGE_PARAMETERS = tuple(field.name for field in dataclasses.fields(Storage))
-
 
 def kvsieve_method(spec: str | Policy) -> KvsievePolicy:
     """A kvsieve policy from its spec, whose parameters may also say how its kept entries are stored:
-    ``"trimkv+global:kv_bits=4"``, ``"snapkv:window=16,kv_bits=2,kv_residual=64"`` (`kvsieve.compress`'s names)."""
-    if isinstance(spec, Policy):
-        return KvsievePolicy(spec)
-    head, _, text = spec.partition(":")
-    kept, storage = [], {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, _, value = (x.strip() for x in item.partition("="))
-        if key not in STORAGE_PARAMETERS:
-            kept.append(item)
-        elif key in storage:
-            raise PolicyError(f"{spec}: {key} is given twice")
-        elif not value.isdigit():
-            raise PolicyError(f"{spec}: {key} must be a whole number, got {value!r}")
-        else:
-            storage[key] = int(value)
-    policy = make_policy(f"{head}:{','.join(kept)}" if kept else head)
-    return KvsievePolicy(policy, Storage(**storage))  # the head dimension is checked when a model stores them
+    ``"trimkv+global:kv_bits=4"``, ``"snapkv:window=16,kv_bits=2,kv_residual=64"`` (`kvsieve.make_policy`)."""
+    return KvsievePolicy(make_policy(spec))  # the head dimension is checked when a model stores them
 
 
 def with_kv_bits(specs: list[str], kv_bits: int | None) -> list[str]:

@@ -31,7 +31,7 @@ from transformers import Cache
 
 from ...runtime.attention import sieve_attention
 from ...runtime.cache import SievedCache
-from ...runtime.codecs import FULL_STORAGE, Storage
+from ...runtime.codecs import storage_codec
 from ...runtime.compress import bounded_cache_with
 from ...runtime.evictions import Eviction, evictions
 from ...runtime.prefill import Prefill, observe_prefill
@@ -39,6 +39,7 @@ from ...selection.budget import MaxTokens
 from ...selection.observation import Needs
 from ...selection.policy import Policy
 from ...selection.protection import DEFAULT_N_RECENT, DEFAULT_N_SINK, question_protection
+from ...selection.storage import FULL_STORAGE, Storage
 from ..data.sample import EncodedSample
 from .margins import Margin, margins
 from .respond import Response, continuation_nll, respond
@@ -190,7 +191,7 @@ class FromPrefill:
     def build(self, model: torch.nn.Module, case: Case, todo: Sequence[tuple[Evicting, float]]) -> Compressed:
         prefill = case.prefill(model)
         plans = [method.eviction(case, rate) for method, rate in todo]
-        cache = evictions(prefill, plans, codec=self.storage.codec(model))
+        cache = evictions(prefill, plans, codec=storage_codec(self.storage, model))
         rows = range(len(plans))
         return Compressed(
             cache,
@@ -239,25 +240,20 @@ class FullCache:
 class KvsievePolicy:
     """A kvsieve policy at a rate; question-aware cases protect the question as `kvsieve.compress` does.
 
-    `storage` says how the kept entries are stored; named as policy parameters
-    (``snapkv+adaptive:window=16,kv_bits=4``).
+    The policy's storage says how the kept entries are stored (``snapkv+adaptive:window=16,kv_bits=4``).
     """
 
     policy: Policy
-    storage: Storage = FULL_STORAGE
     library: ClassVar[str] = "kvsieve"
     is_full: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
-        storage = [f"{key}={value}" for key, value in self.storage.parameters().items()]
-        if not storage:
-            return self.policy.name
-        return f"{self.policy.name}{',' if ':' in self.policy.name else ':'}{','.join(storage)}"
+        return self.policy.name
 
     @property
     def builder(self) -> CacheBuilder:
-        return FromPrefill(storage=self.storage)
+        return FromPrefill(storage=self.policy.storage)
 
     @property
     def needs(self) -> Needs:
@@ -280,8 +276,7 @@ class KvsievePolicy:
         if budget is None:
             raise ValueError(f"{self.name} streams at a budget (max_tokens)")
         policy = reseeded(self.policy, seed)
-        codec = self.storage.codec(model)
-        return SievedStream(model, bounded_cache_with(model, policy, MaxTokens(budget), buffer, codec))
+        return SievedStream(model, bounded_cache_with(model, policy, MaxTokens(budget), buffer))
 
 
 @dataclass(frozen=True)

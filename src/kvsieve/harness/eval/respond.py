@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from transformers import Cache
 
+from kvsieve.runtime.compat import cache_argument
+
 from ...runtime.cache import SievedCache
 from .answers import gold_statistics
 
@@ -46,7 +48,7 @@ def feed(model: torch.nn.Module, cache: Cache, ids: torch.Tensor, max_feed: int 
     """Feed `ids` (`[rows, n]`) after `cache`, at most `max_feed` tokens a forward; logits `[rows, n, vocab]`."""
     step = max_feed or max(1, ids.shape[1])
     chunks = [
-        model(input_ids=ids[:, i : i + step], past_key_values=cache, use_cache=True).logits
+        model(input_ids=ids[:, i : i + step], **cache_argument(model, cache), use_cache=True).logits
         for i in range(0, ids.shape[1], step)
     ]
     return torch.cat(chunks, dim=1) if chunks else torch.empty(ids.shape[0], 0)
@@ -111,7 +113,7 @@ def respond(
     out = model.generate(
         prompt_ids,
         attention_mask=torch.ones_like(prompt_ids),  # never inferred from a pad id that may occur in the prompt
-        past_key_values=cache,
+        **cache_argument(model, cache),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         eos_token_id=stop,

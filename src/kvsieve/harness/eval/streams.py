@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvsieve.runtime.compat import cache_argument
+
 from ...runtime.attention import sieve_attention
 from ...runtime.cache import SievedCache
 
@@ -60,7 +62,7 @@ class SievedStream:
         return sieve_attention(self.model)
 
     def forward(self, chunk_ids: torch.Tensor, start: int) -> torch.Tensor:
-        return self.model(input_ids=chunk_ids, past_key_values=self.cache, use_cache=True).logits
+        return self.model(input_ids=chunk_ids, **cache_argument(self.model, self.cache), use_cache=True).logits
 
     def size(self) -> CacheSize:
         return sieved_size(self.cache)

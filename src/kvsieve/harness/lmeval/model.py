@@ -10,8 +10,13 @@
 - `generate_until`: the prompt compressed as `kvsieve.generate` does (batches of `batch_size`
   prompts, left-padded), stop strings and `max_gen_toks` honoured.
 
-`policy=full` keeps every entry: the same model type's baseline. Every argument is checked before
-the model loads, every request's length before any request is computed.
+`policy=full` keeps every entry: the same model type's baseline. The model's tokenizer reaches every
+compression, so a policy that asks the model to repeat its context (``kvzip``) runs as in
+`kvsieve.compress`. Every argument is checked before the model loads, every request's length before
+any request is computed.
+
+Registering ``kvsieve`` imports `lm_eval.models` first: lm-eval 0.4 registers its own model types
+only when a name is looked up in an empty registry, so registering ours first would hide them.
 """
 
 from __future__ import annotations
@@ -148,9 +153,8 @@ class KVSieveLM(TemplateLM):
                 text = requests[members[0]][0][0]
                 ids = torch.tensor([context], device=self.device)
                 continuations = [torch.tensor(requests[i][2]) for i in members]
-                scored = continuation_logprobs(
-                    self.model, self.config, ids, continuations, self._question_start(text, context)
-                )
+                question = self._question_start(text, context)
+                scored = continuation_logprobs(self.model, self.config, ids, continuations, question, self.tokenizer)
                 for index, answer in zip(members, scored, strict=True):
                     results[index] = (answer.logprob, answer.greedy)
                     self.cache_hook.add_partial("loglikelihood", requests[index][0], results[index])
@@ -172,7 +176,7 @@ class KVSieveLM(TemplateLM):
         with progress_bar("loglikelihood_rolling (documents)", visible=not disable_tqdm) as progress:
             for done, (request, ids) in enumerate(zip(requests, documents, strict=True), start=1):
                 tokens = torch.tensor([ids], device=self.device)
-                results.append(rolling_logprob(self.model, self.config, tokens, chunk))
+                results.append(rolling_logprob(self.model, self.config, tokens, chunk, self.tokenizer))
                 self.cache_hook.add_partial("loglikelihood_rolling", request.args, results[-1])
                 progress(done, len(requests))
         return results
@@ -220,8 +224,9 @@ class KVSieveLM(TemplateLM):
         options.setdefault("do_sample", False)
         if not options["do_sample"]:
             options.pop("temperature", None)
+        options["tokenizer"] = self.tokenizer  # stop strings, and a policy that repeats the prompt (kvzip)
         if until:
-            options |= {"stop_strings": until, "tokenizer": self.tokenizer}
+            options["stop_strings"] = until
         width = max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot_token_id
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
@@ -237,15 +242,20 @@ class KVSieveLM(TemplateLM):
         return [self._until_stop(self.tok_decode(row[width:].tolist()), until) for row in out]
 
     def _compressed(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """`kvsieve.generate`'s path with this model type's policy and budget."""
+        """`kvsieve.generate`'s path with this model type's policy and budget.
+
+        A policy that scores by the model repeating its prompt (kvzip) cannot re-score while generating:
+        the prompt is compressed to a size, and generation grows past it (`kvsieve.generate` without a buffer).
+        """
         config = self.config
+        repeats = config.resolved.needs.reconstruction is not None
         out, _ = generate_compressed(
             self.model,
             self.model.generate,
             input_ids,
             config.resolved,
             config.limit(),
-            config.generation_buffer(),
+            None if repeats else config.generation_buffer(),
             codec=config.codec(self.model),
             **kwargs,
         )

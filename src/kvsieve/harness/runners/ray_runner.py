@@ -1,7 +1,8 @@
 """Cells on a Ray cluster: model replicas as actors, each loading the model once (this module imports Ray).
 
-`RayRunner(ModelChoice(...), address="auto")` connects to a running cluster (``"auto"``,
-``"ray://host:port"``, ``"host:port"``) or starts one on this machine (``"local"``), starts
+`RayRunner(ModelChoice(...), address="auto")` connects to a running cluster (``"auto"`` on one of its
+nodes, or ``"host:port"``; Ray deprecates Ray Client's ``"ray://"`` addresses, which need `ray[client]`:
+submit the command with Ray's Jobs API instead) or starts one on this machine (``"local"``), starts
 `workers` actors that each load the model from its `ModelChoice` (one per GPU where the model runs
 on CUDA, else one per node; `cpus_per_worker` cores and torch threads each), and hands them cells.
 Results come back in the cells' order, so a log written from them reads as a local run's.
@@ -82,7 +83,7 @@ class RayRunner:
     Args:
         model: what every replica loads (a CUDA device means one GPU per replica, its own).
         address: ``"local"`` (a cluster on this machine, unless Ray is already initialised here),
-            ``"auto"``, ``"ray://host:port"`` or ``"host:port"``.
+            ``"auto"`` or ``"host:port"``.
         workers: replicas (default: one per GPU for a CUDA model, else one per node).
         cpus_per_worker: cores, and torch threads, of each replica (default: its share of the cluster).
     """
