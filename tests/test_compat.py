@@ -24,6 +24,7 @@ from kvsieve.runtime.compat import (
     OLDEST,
     SUPPORTED,
     UnsupportedTransformersError,
+    attention_implementation_of,
     cache_argument,
     cache_keyword,
     check_transformers_version,
@@ -125,4 +126,11 @@ def test_a_model_whose_attention_transformers_cannot_switch_is_refused(monkeypat
     monkeypatch.setattr(model, "set_attn_implementation", lambda name: None)
     with pytest.raises(kvsieve.UnhookableModelError, match="LlamaForCausalLM does not route attention through"):
         kvsieve.compress(model, torch.randint(0, 128, (1, 60)), "importance", rate=0.5)
-    assert model.config._attn_implementation == "sdpa"
+    assert attention_implementation_of(model) == "sdpa"
+
+
+def test_sieve_attention_switches_the_model_and_gives_its_own_back():
+    model = tiny_llama()
+    with kvsieve.sieve_attention(model):
+        assert attention_implementation_of(model) == "sieve"
+    assert attention_implementation_of(model) == "sdpa"

@@ -22,6 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..selection.architecture import layer_windows
 from ..selection.errors import UnhookableModelError
+from .compat import attention_implementation_of
 from .inputs import check_model
 from .kernels import masked_sdpa, tallied_attention, varlen_attention, varlen_available
 from .layout import RaggedLayout, active_scope, sieve_scope
@@ -120,10 +121,10 @@ def attention_implementation(model: PreTrainedModel, name: str) -> Iterator[PreT
     Raises `UnhookableModelError` where `transformers`' public `set_attn_implementation` leaves the model on its
     own attention (a model whose attention does not go through `AttentionInterface`).
     """
-    previous = model.config._attn_implementation
+    previous = attention_implementation_of(model)
     if previous != name:
         model.set_attn_implementation(name)
-        if model.config._attn_implementation != name:
+        if attention_implementation_of(model) != name:
             raise UnhookableModelError(
                 f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
                 "so kvsieve cannot hook it"
@@ -131,7 +132,7 @@ def attention_implementation(model: PreTrainedModel, name: str) -> Iterator[PreT
     try:
         yield model
     finally:
-        if model.config._attn_implementation != previous:
+        if attention_implementation_of(model) != previous:
             model.set_attn_implementation(previous)
 
 

@@ -12,7 +12,8 @@ transformers"). Between them `transformers` changed three things kvsieve meets:
 
 Everything else kvsieve uses is public and unchanged across the range: `Cache` and
 `CacheLayerMixin`, `DynamicSlidingWindowLayer`, `AttentionInterface`, the mask interface,
-`set_attn_implementation`.
+`set_attn_implementation`. The one private name it reads, the attention implementation a model runs
+(`config._attn_implementation`, which transformers has no public getter for), is read here only.
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ def passed_cache(kwargs: Mapping[str, Any]) -> Any:
     """The cache a caller passed to a forward or to `generate`, under either name (None if none)."""
     cache = kwargs.get("cache")
     return kwargs.get("past_key_values") if cache is None else cache
+
+
+def attention_implementation_of(model: torch.nn.Module) -> str | None:
+    """The name of the attention implementation `model` runs (as `set_attn_implementation` sets it)."""
+    return model.config._attn_implementation
 
 
 def query_length(query: torch.Tensor | int) -> int:
