@@ -48,6 +48,7 @@ def rows_of(imports: dict, decode: dict) -> list[dict]:
 
 
 def markdown(report: dict) -> str:
+    """The report as a Markdown table: one row per (release, context, cache)."""
     header = ["transformers", "`import kvsieve` s", "context", "cache", "step ms", "ratio vs full"]
     body = [
         [r["transformers"], f"{r['import_kvsieve_s']:.3f}", str(r["context"]), r["cache"], f"{r['step_ms']:.1f}",
