@@ -1,6 +1,6 @@
 """Which layout quantized entries use: kvsieve's per-entry groups against KIVI's per-channel keys (arXiv 2402.02750).
 
-The perplexity protocol (DESIGN §4) on held-back essays with nothing evicted: the 1,024-token prefix
+The perplexity protocol (docs/protocols.md) on held-back essays with nothing evicted: the 1,024-token prefix
 is prefilled in full precision, its keys and values are replaced by what a quantized cache would
 read back, and the next 512 tokens are scored through that cache. Both layouts keep one scale and
 one minimum per group of 32 numbers (the same bytes):

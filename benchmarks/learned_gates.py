@@ -6,7 +6,7 @@ at smaller sizes) and only what the gates never saw in training: held-back essay
 (`kvsieve.harness.data.essay_split`) and task
 samples of the evaluation seed.
 
-- ``ppl``: the perplexity protocol (DESIGN §4) on held-back essays (6 of the 12 have the 1,537 tokens
+- ``ppl``: the perplexity protocol (docs/protocols.md) on held-back essays (6 of the 12 have the 1,537 tokens
   it needs), rates 0.5 / 0.7 / 0.8 / 0.9.
 - ``tasks``: the RULER and routing suites, question-agnostic and -aware, rates 0.5 / 0.75 / 0.9;
   then every (task, rate) where trimkv+global's accuracy or gold log-prob beats the full cache

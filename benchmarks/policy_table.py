@@ -1,6 +1,6 @@
 """The policy table: every scorer with `uniform`, then the best three with every other allocator.
 
-The perplexity protocol (DESIGN §4) on the default model at rates 0.5/0.7/0.8/0.9, same
+The perplexity protocol (docs/protocols.md) on the default model at rates 0.5/0.7/0.8/0.9, same
 documents for every policy. Stage 1 runs every scorer with the uniform budget (and the
 key-key variant of `window`); the three with the lowest mean delta% then run with
 `adaptive`, `pyramid` and `global` under both calibrations (`mass`, `zscore`). Prints

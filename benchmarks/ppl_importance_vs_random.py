@@ -1,4 +1,4 @@
-"""Importance vs random eviction: perplexity change against the full cache (DESIGN §4 protocol).
+"""Importance vs random eviction: perplexity change against the full cache (docs/protocols.md protocol).
 
 Runs on the embedded default model (SmolLM2-135M-Instruct), prints the table, writes JSON and
 a PNG under benchmarks/results/. Also times "prefill once, sieve many" against re-running the

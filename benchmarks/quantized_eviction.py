@@ -8,7 +8,7 @@ much eviction as the bytes leave. Where a width fits the budget with nothing evi
 quantization alone. A mix keeps the entries a byte budget would give it over a nominal context
 (`kept_entries`; sinks and the recent tail always kept); the tables report the bytes each row held.
 
-- ``ppl``: the perplexity protocol (DESIGN §4) on held-back essays; also trimkv+global and snapkv
+- ``ppl``: the perplexity protocol (docs/protocols.md) on held-back essays; also trimkv+global and snapkv
   quantized at the *eviction-only* rates (the same entries, fewer bits): do the gates, trained on
   full-precision entries, compose with quantization without retraining?
 - ``tasks``: the RULER needle tasks and the routing suite, question-agnostic and -aware.

@@ -1,4 +1,4 @@
-"""Streaming perplexity (DESIGN §4) on the default model, with kvpress's DecodingPress side by side.
+"""Streaming perplexity (docs/protocols.md) on the default model, with kvpress's DecodingPress side by side.
 
 Whole essay documents are fed 64 tokens per forward through a cache held at a budget B (entries
 per (layer, kv-head) on average) for every kvsieve policy and budget, next to the full cache (fed

@@ -262,7 +262,10 @@ def ppl(
     workers: WorkersOption = None,
     cpus_per_worker: CpusPerWorkerOption = None,
 ) -> None:
-    """Perplexity against the full cache per policy: rates after a prefill, or --stream at fixed budgets (DESIGN §4)."""
+    """Perplexity against the full cache per policy: rates after a prefill, or --stream at fixed budgets.
+
+    The protocols: docs/protocols.md.
+    """
     given = dict(zip(RATE_OPTIONS, (rates,), strict=True))
     given |= dict(zip(STREAM_OPTIONS, (max_tokens, buffer, doc_tokens, bucket, source, rows), strict=True))
     _check_ppl_mode(stream, given)

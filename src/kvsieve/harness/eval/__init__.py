@@ -1,4 +1,4 @@
-"""Evaluation: perplexity degradation, streaming perplexity and task sweeps (DESIGN §4), routing diagnostics,
+"""Evaluation: perplexity degradation, streaming perplexity and task sweeps (docs/protocols.md), routing diagnostics,
 gold-answer margins and the fixed-contract diagnostic."""
 
 from .answers import judge, string_match

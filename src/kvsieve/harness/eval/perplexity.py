@@ -1,4 +1,4 @@
-"""Perplexity degradation protocol (DESIGN §4), "prefill once, sieve many".
+"""Perplexity degradation protocol (docs/protocols.md), "prefill once, sieve many".
 
 For each document of `prefix + continuation + 1` tokens: prefill the first `prefix` tokens
 once (full cache, observed), then for every (policy, rate) evict from that prefill and feed the

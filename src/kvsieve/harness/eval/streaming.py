@@ -1,4 +1,4 @@
-"""Streaming perplexity (DESIGN §4): whole long documents through a cache held at a fixed budget.
+"""Streaming perplexity (docs/protocols.md): whole long documents through a cache held at a fixed budget.
 
 Every document (16k tokens by default) is fed `buffer` tokens per forward, teacher forced,
 through `kvsieve.bounded_cache(model, policy, max_tokens=B, buffer=buffer)`: before a forward would
@@ -219,7 +219,7 @@ class StreamResult:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "protocol": "streaming perplexity (DESIGN §4)",
+            "protocol": "streaming perplexity (docs/protocols.md)",
             "docs": len(self.doc_names),
             "doc_tokens": self.doc_tokens,
             "buffer": self.buffer,
