@@ -69,6 +69,33 @@ def test_each_layer_imports_only_itself_and_the_layers_below(layer):
     assert not wrong, sorted(wrong)
 
 
+def _harness_folder_imports() -> dict[str, set[str]]:
+    """Each folder of the harness and the other harness folders its files import (function-level imports too)."""
+    harness = PACKAGE / "harness"
+    edges: dict[str, set[str]] = {}
+    for path in harness.rglob("*.py"):
+        parts = path.relative_to(harness).parts
+        if len(parts) < 2:
+            continue
+        for name in _kvsieve_imports(path):
+            target = name.split(".")[2:3]
+            if target and target[0] != parts[0] and (harness / target[0]).is_dir():
+                edges.setdefault(parts[0], set()).add(target[0])
+    return edges
+
+
+def test_no_harness_folder_imports_one_that_imports_it_back():
+    edges = _harness_folder_imports()
+
+    def reaches(start: str, goal: str, seen: frozenset[str] = frozenset()) -> bool:
+        return any(
+            nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt})) for nxt in edges.get(start, ())
+        )
+
+    circles = sorted(folder for folder in edges if reaches(folder, folder))
+    assert edges and not circles, f"harness folders in an import circle: {circles} ({edges})"
+
+
 def test_the_package_root_imports_the_harness_only_lazily():
     eager = _kvsieve_imports(PACKAGE / "__init__.py", type_checking=False)
     assert eager and all(_layer(name) in ("selection", "runtime") for name in eager), sorted(eager)

@@ -14,10 +14,8 @@ import torch
 import typer
 from rich.table import Table
 
-from kvsieve.harness import install_hint
-from kvsieve.runtime.compat import cache_argument
-
 from ..runtime.attention import sieve_attention
+from ..runtime.compat import cache_argument
 from ..runtime.compress import compress
 from ..runtime.growth import DEFAULT_BUFFER
 from ..runtime.prefill import observe_prefill
@@ -27,6 +25,7 @@ from ..selection.projection import PROJECTIONS
 from ..selection.protection import PROTECTION_DEFAULTS
 from ..selection.scorers import SCORERS
 from ..selection.spec import make_policy, split_policies
+from . import install_hint
 from .data import essay_split, essay_texts, sample_documents
 from .data.sample import TaskSample
 from .data.suites import resolve_tasks, task_samples

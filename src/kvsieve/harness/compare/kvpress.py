@@ -43,16 +43,15 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
-from kvsieve.harness import install_hint
-from kvsieve.runtime.compat import cache_argument, query_length
-
 from ...runtime.attention import attention_implementation
 from ...runtime.codecs import DEFAULT_GROUP
+from ...runtime.compat import cache_argument, query_length
 from ...selection.architecture import attention_module, decoder_layers
 from ...selection.budget import check_count, check_rate, evicted_count
 from ...selection.observation import DEFAULT_WINDOW
 from ...selection.protection import DEFAULT_N_RECENT, DEFAULT_N_SINK
-from ..eval.streams import CacheSize
+from .. import install_hint
+from ..cache_size import CacheSize
 from .kvpress_quantized import cache_nbytes, check_kv_bits, mark_pruned, quantized_cache
 
 #: The presses this adapter runs, by kvsieve name.

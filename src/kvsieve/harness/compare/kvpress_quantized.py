@@ -21,8 +21,8 @@ import torch
 from transformers import Cache, PreTrainedConfig, QuantizedCache
 from transformers.cache_utils import QuantizedLayer, QuantoQuantizedLayer
 
-from kvsieve.harness import install_hint
-from kvsieve.runtime.compat import query_length
+from ...runtime.compat import query_length
+from .. import install_hint
 
 #: Bits per number kvpress's quantized cache stores here (optimum-quanto's qint2 and qint4).
 KVPRESS_KV_BITS = (2, 4)

@@ -13,9 +13,8 @@ import torch
 import torch.nn.functional as F
 from transformers import Cache
 
-from kvsieve.runtime.compat import cache_argument
-
 from ...runtime.cache import SievedCache
+from ...runtime.compat import cache_argument
 from .answers import gold_statistics
 
 

@@ -17,24 +17,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvsieve.runtime.compat import cache_argument
-
 from ...runtime.attention import sieve_attention
 from ...runtime.cache import SievedCache
-
-
-@dataclass(frozen=True)
-class CacheSize:
-    """What a cache holds for one sequence: bytes of keys and values, storage allocated, entries per head."""
-
-    nbytes: int = 0
-    allocated: int = 0
-    entries: float = 0.0
-
-    def peak(self, other: CacheSize) -> CacheSize:
-        return CacheSize(
-            max(self.nbytes, other.nbytes), max(self.allocated, other.allocated), max(self.entries, other.entries)
-        )
+from ...runtime.compat import cache_argument
+from ..cache_size import CacheSize
 
 
 class Stream(Protocol):

@@ -21,10 +21,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvsieve.runtime.compat import cache_argument
-
 from ...runtime.attention import sieve_attention
 from ...runtime.cache import SievedCache
+from ...runtime.compat import cache_argument
 from ...runtime.compress import bounded_cache_with, refuse_unevictable
 from ...runtime.config import EvictionConfig
 from ...runtime.decoding import compressed_prompt
