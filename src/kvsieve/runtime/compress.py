@@ -188,10 +188,7 @@ def compress_with(
     cache = prefill.cache.keep(kept, codec=codec)
     if growth is not None:
         if chunk is not None and input_ids.shape[1] > chunk:
-            if policy.needs.reconstruction is None:
-                _feed_chunks(model, cache, growth, input_ids[:, chunk:], chunk)
-            else:
-                _feed_chunks_reconstructing(model, cache, growth, input_ids, chunk, tokenizer)
+            _feed_chunks(model, cache, growth, input_ids, chunk, tokenizer)
         cache.growth = None if buffer is None else dataclasses.replace(growth, buffer=buffer)
     return cache
 
@@ -287,43 +284,41 @@ def _check_bounded(
 
 @torch.no_grad()
 def _feed_chunks(
-    model: torch.nn.Module, cache: SievedCache, growth: BoundedGrowth, rest: torch.Tensor, chunk: int
-) -> None:
-    """Feed `rest` `chunk` tokens at a time; `growth` evicts to the budget before each chunk and after the last."""
-    cache.growth = growth
-    with sieve_attention(model):
-        for start in range(0, rest.shape[1], chunk):
-            model(
-                input_ids=rest[:, start : start + chunk],
-                **cache_argument(model, cache),
-                use_cache=True,
-                logits_to_keep=1,
-            )
-    growth.evict(cache)
-
-
-@torch.no_grad()
-def _feed_chunks_reconstructing(
     model: torch.nn.Module,
     cache: SievedCache,
     growth: BoundedGrowth,
     input_ids: torch.Tensor,
     chunk: int,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: PreTrainedTokenizerBase | None,
 ) -> None:
-    """`_feed_chunks` for a policy that scores by the model repeating its prompt (kvzip): the first `chunk` tokens
-    are in `cache` already; before each next chunk and after the last, if the cache is over its budget, the model
-    repeats every token fed so far after what the cache holds, and that attention decides what stays. A
-    forward cannot run inside another, so the evictions happen here between the chunks, not from the cache's
-    append hook."""
+    """Feed `input_ids` after its first `chunk` tokens (in `cache` already) `chunk` tokens at a time: before a
+    chunk that would take the cache past budget + chunk, and after the last, `growth` evicts it back to the budget.
+
+    The evictions happen here, between the forwards, rather than from the cache's append hook: a policy that
+    scores by the model repeating its prompt (kvzip) runs a forward for each, and a forward cannot run inside
+    another. The hook stays set while feeding, for what the scorer reads (recent queries, attention sums)."""
     n = input_ids.shape[1]
+    cache.growth = growth
     with sieve_attention(model):
         for start in range(chunk, n, chunk):
             end = min(start + chunk, n)
+            if growth.overflows(cache, end - start):
+                _evict(model, cache, growth, input_ids[:, :start], tokenizer)
             model(input_ids=input_ids[:, start:end], **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
-            if end == n or growth.overflows(cache, min(chunk, n - end)):
-                fed = input_ids[:, :end]
-                growth.evict(cache, reconstruct(model, cache, fed, growth.policy.needs.reconstruction, tokenizer))
+        _evict(model, cache, growth, input_ids, tokenizer)
+
+
+def _evict(
+    model: torch.nn.Module,
+    cache: SievedCache,
+    growth: BoundedGrowth,
+    fed: torch.Tensor,
+    tokenizer: PreTrainedTokenizerBase | None,
+) -> None:
+    """Evict `cache` back to `growth`'s budget; a policy that reads the model repeating its prompt (kvzip) has it
+    repeat every token `fed` so far after what the cache holds first."""
+    needs = growth.policy.needs.reconstruction
+    growth.evict(cache, None if needs is None else reconstruct(model, cache, fed, needs, tokenizer))
 
 
 def bounded_cache(
