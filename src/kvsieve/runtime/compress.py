@@ -303,20 +303,21 @@ def _feed_chunks(
         for start in range(chunk, n, chunk):
             end = min(start + chunk, n)
             if growth.overflows(cache, end - start):
-                _evict(model, cache, growth, input_ids[:, :start], tokenizer)
+                evict_between_forwards(model, cache, growth, input_ids[:, :start], tokenizer)
             model(input_ids=input_ids[:, start:end], **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
-        _evict(model, cache, growth, input_ids, tokenizer)
+        evict_between_forwards(model, cache, growth, input_ids, tokenizer)
 
 
-def _evict(
+def evict_between_forwards(
     model: torch.nn.Module,
     cache: SievedCache,
     growth: BoundedGrowth,
     fed: torch.Tensor,
     tokenizer: PreTrainedTokenizerBase | None,
 ) -> None:
-    """Evict `cache` back to `growth`'s budget; a policy that reads the model repeating its prompt (kvzip) has it
-    repeat every token `fed` so far after what the cache holds first."""
+    """Evict `cache` back to `growth`'s budget between two forwards (a chunked prefill, `lm-eval`'s rolling
+    stream); a policy that reads the model repeating its prompt (kvzip) has it repeat every token `fed` so far
+    after what the cache holds first."""
     needs = growth.policy.needs.reconstruction
     growth.evict(cache, None if needs is None else reconstruct(model, cache, fed, needs, tokenizer))
 

@@ -24,11 +24,10 @@ import torch.nn.functional as F
 from ...runtime.attention import sieve_attention
 from ...runtime.cache import SievedCache
 from ...runtime.compat import cache_argument
-from ...runtime.compress import bounded_cache_with, refuse_unevictable
+from ...runtime.compress import bounded_cache_with, evict_between_forwards, refuse_unevictable
 from ...runtime.config import EvictionConfig
 from ...runtime.decoding import compressed_prompt
 from ...runtime.growth import BoundedGrowth
-from ...runtime.reconstruction import reconstruct
 from ...selection.errors import PolicyError
 from ..eval.streams import SievedStream, run_stream
 
@@ -129,9 +128,7 @@ class ReconstructingStream(SievedStream):
 
     def forward(self, chunk_ids: torch.Tensor, start: int) -> torch.Tensor:
         if self.growth.overflows(self.cache, chunk_ids.shape[1]):
-            fed = self.ids[:, :start]
-            repeated = reconstruct(self.model, self.cache, fed, self.growth.policy.needs.reconstruction, self.tokenizer)
-            self.growth.evict(self.cache, repeated)
+            evict_between_forwards(self.model, self.cache, self.growth, self.ids[:, :start], self.tokenizer)
         return super().forward(chunk_ids, start)
 
 
