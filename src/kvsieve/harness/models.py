@@ -159,14 +159,18 @@ def _not_found(name_or_path: str | os.PathLike | None, err: OSError) -> ModelNot
     return ModelNotFoundError(f"could not load {name_or_path!r} as a local directory or Hugging Face id ({err})")
 
 
-def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> PreTrainedTokenizerBase:
-    """The tokenizer of a model `load_model` loads (the same names), without loading its weights."""
-    folder = _model_folder(name_or_path)
+def _from_folder(auto_class: type, folder: str | os.PathLike, name_or_path: object, **kwargs: object) -> object:
+    """`auto_class.from_pretrained(folder)`, quietly; a missing model is a `ModelNotFoundError` naming the ask."""
     with _quiet_transformers():
         try:
-            return AutoTokenizer.from_pretrained(folder)
+            return auto_class.from_pretrained(folder, **kwargs)
         except OSError as err:
             raise _not_found(name_or_path, err) from err
+
+
+def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model `load_model` loads (the same names), without loading its weights."""
+    return _from_folder(AutoTokenizer, _model_folder(name_or_path), name_or_path)
 
 
 def load_model(
@@ -184,13 +188,9 @@ def load_model(
             path to a ``.gguf`` file, a local model directory, or a Hugging Face id (read from the Hugging Face
             cache, else downloaded once; where it cannot be, `ModelNotFoundError` at once: `kvsieve.harness.hub`).
     """
-    tokenizer = load_tokenizer(name_or_path)
-    folder = _model_folder(name_or_path)
-    with _quiet_transformers():
-        try:
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-        except OSError as err:
-            raise _not_found(name_or_path, err) from err
+    folder = _model_folder(name_or_path)  # resolved once: a GGUF's conversion, a Hugging Face id's check
+    tokenizer = _from_folder(AutoTokenizer, folder, name_or_path)
+    model = _from_folder(AutoModelForCausalLM, folder, name_or_path, dtype=dtype)
     return model.to(device).eval(), tokenizer
 
 
