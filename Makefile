@@ -1,7 +1,7 @@
 # Everything a fresh machine needs, from nothing but Python 3.10+.
 PYTHON ?= python3
 # torch for this machine: on this project's machines `torch==2.13.0` is a CPU build kept on disk; elsewhere pick
-# the build with PyTorch's own index (README, "Set-up"), e.g. make TORCH="torch==2.13.0" PIP_TORCH_FLAGS="--index-url ..."
+# the build with PyTorch's own index (docs/install.md, "Which torch"), e.g. make TORCH="torch==2.13.0" PIP_TORCH_FLAGS="--index-url ..."
 TORCH ?= torch==2.13.0
 PIP_TORCH_FLAGS ?=
 # The two ends of the supported transformers range (kvsieve.runtime.compat.SUPPORTED), each in its own environment:
