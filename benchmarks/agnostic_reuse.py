@@ -13,9 +13,7 @@ any question (`snapkv` also with the first question in view, then kept for the o
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import pandas as pd
 from rich.console import Console
@@ -26,8 +24,8 @@ from kvsieve.harness.models import ModelChoice
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table
 from kvsieve.harness.runners import LocalRunner
+from results_io import Output
 
-RESULTS = Path(__file__).parent / "results"
 POLICIES = ["trimkv+global", "kvzip+global", "kvzip", "expected", "streaming", "kvpress:kvzip"]
 FIRST_QUESTION = ["snapkv"]
 RATES = [0.5, 0.75, 0.9]
@@ -62,9 +60,10 @@ def accuracy_cells(rows: pd.DataFrame, tasks: tuple[str, ...] | None = None) -> 
     return " / ".join(str(int(s.sum())) for _, s in by_rate) + f" of {by_rate.size().iloc[0]}"
 
 
-def markdown(rows: pd.DataFrame) -> str:
+def markdown(report: dict) -> str:
     """Three tables: correct answers per group of tasks, the first question against the later ones, and the
     mean gold log-prob with the cache held."""
+    rows = pd.DataFrame(report["rows"])
     header = ["policy", *(f"{group}: correct at {' / '.join(f'{r:.0%}' for r in RATES)}" for group in GROUPS)]
     body, split = [], []
     for policy, how in contenders(rows):
@@ -89,6 +88,9 @@ def cost_table(rows: pd.DataFrame) -> str:
     return markdown_table(["policy", f"gold log-prob (KV cache held) at {rates}"], body)
 
 
+TABLE = Output("agnostic_reuse", {"": markdown})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=3)
@@ -109,11 +111,8 @@ def main() -> None:
         "seconds": time.perf_counter() - start,
         "rows": rows[COLUMNS].to_dict("records"),
     }
-    Console().print(markdown(rows))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "agnostic_reuse.json").write_text(json.dumps(report, indent=1))
-    (RESULTS / "agnostic_reuse.md").write_text(markdown(rows))
-    print(f"wrote {RESULTS / 'agnostic_reuse.json'}")
+    Console().print(markdown(report))
+    print(f"wrote {TABLE.write(report)}")
 
 
 if __name__ == "__main__":

@@ -17,10 +17,8 @@ position is the step count and RSS stays flat.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import psutil
 import torch
@@ -33,8 +31,8 @@ import kvsieve
 from kvsieve.harness.data import long_context
 from kvsieve.harness.report import markdown_table
 from kvsieve.runtime.compat import cache_argument
+from results_io import Output
 
-RESULTS = Path(__file__).parent / "results"
 MIB = 1 << 20
 #: The samples the Markdown table shows (every sample when none of these was taken).
 TABLE_STEPS = (500, 1000, 2000, 4000, 6000, 8000)
@@ -176,6 +174,9 @@ def markdown(report: dict) -> str:
     return markdown_table(header, body) + "\n"
 
 
+TABLE = Output("bounded_generation", {"": markdown})
+
+
 @torch.no_grad()
 def soak(args: argparse.Namespace, console: Console) -> dict:
     torch.manual_seed(0)
@@ -232,10 +233,7 @@ def main() -> None:
     }
     report["default_model"] = default_model_run(args, console)
     report["soak"] = soak(args, console)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bounded_generation.json").write_text(json.dumps(report, indent=2))
-    (RESULTS / "bounded_generation.md").write_text(markdown(report))
-    console.print(f"wrote {RESULTS / 'bounded_generation.json'}")
+    console.print(f"wrote {TABLE.write(report)}")
 
 
 if __name__ == "__main__":

@@ -18,11 +18,9 @@ instruction and one piece of the prompt).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -34,8 +32,8 @@ from kvsieve.harness.data import long_context
 from kvsieve.harness.eval.respond import continuation_nll
 from kvsieve.harness.report import markdown_table
 from kvsieve.runtime.compat import passed_cache
+from results_io import Output
 
-RESULTS = Path(__file__).parent / "results"
 CONTINUATION = 512
 
 
@@ -96,6 +94,9 @@ def markdown(report: dict) -> str:
     return markdown_table(header, body) + "\n"
 
 
+TABLE = Output("chunked_prefill*", {"": markdown})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt", type=int, default=7680)
@@ -103,7 +104,9 @@ def main() -> None:
     parser.add_argument("--chunks", default="256,512,1024")
     parser.add_argument("--policy", default="snapkv")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="chunked_prefill", help="file stem under benchmarks/results")
+    parser.add_argument(
+        "--out", default="chunked_prefill", type=TABLE.named, help="results file stem (chunked_prefill*)"
+    )
     args = parser.parse_args()
     model, tokenizer = kvsieve.load_model()
     text = long_context(tokenizer, args.prompt + CONTINUATION + 1)
@@ -137,11 +140,8 @@ def main() -> None:
             f"{r['ppl']:.2f}",
         )
     Console().print(table)
-    RESULTS.mkdir(exist_ok=True)
     report = {**vars(args), "continuation": CONTINUATION, "full_cache_ppl": full_ppl, "rows": rows}
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(report, indent=2))
-    (RESULTS / f"{args.out}.md").write_text(markdown(report))
-    print(f"wrote {RESULTS / args.out}.{{json,md}}")
+    print(f"wrote {TABLE.write(report, args.out)}")
 
 
 if __name__ == "__main__":

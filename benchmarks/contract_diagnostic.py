@@ -33,10 +33,9 @@ from kvsieve.harness.report.diagnostic_page import (
     write_diagnostic_page,
 )
 from kvsieve.harness.runners import LocalRunner
+from results_io import RESULTS, Output
 
-ROOT = Path(__file__).parent
-RESULTS = ROOT / "results"
-RAW = ROOT.parent / "results" / "contract_diagnostic"
+RAW = Path(__file__).parent.parent / "results" / "contract_diagnostic"
 
 
 def pooled_markdown(summary: dict) -> str:
@@ -71,6 +70,10 @@ def fixes_markdown(summary: dict) -> str:
 def summary_markdown(summary: dict) -> str:
     """Markdown: the summary's two headline tables, pooled shares then the fixes."""
     return f"{pooled_markdown(summary)}\n\n{fixes_markdown(summary)}\n"
+
+
+#: The summary's JSON and its tables; the page (contract_diagnostic.md) and its worked map come from the raw rows.
+SUMMARY = Output("contract_diagnostic", {"_summary": summary_markdown}, extras=(".md", ".png"))
 
 
 def main() -> None:
@@ -113,11 +116,9 @@ def main() -> None:
         "failure_mix": failure_mix(rows).to_dict("records"),
         "fixes": fixes(rows).to_dict("records"),
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "contract_diagnostic.json").write_text(json.dumps(summary, indent=2))
+    SUMMARY.write(summary)
     markdown = page.read_text().replace(f"]({WORKED_MAP})", "](contract_diagnostic.png)")
     (RESULTS / "contract_diagnostic.md").write_text(markdown)
-    (RESULTS / "contract_diagnostic_summary.md").write_text(summary_markdown(summary))
     if (RAW / WORKED_MAP).exists():
         (RESULTS / "contract_diagnostic.png").write_bytes((RAW / WORKED_MAP).read_bytes())
     print(markdown)

@@ -4,7 +4,8 @@ A random Llama with Llama-3-8B's structure (32 layers, 32 query heads, 8 kv-head
 widths (head_dim 8, hidden 256), so one decode step is made of many small calls, as on a GPU.
 For each context length and batch size: one observed prefill, then the model's own full
 `DynamicCache` (SDPA) and kvsieve caches compressed at rate 0.8 with `snapkv` and the `uniform`,
-`adaptive` and `global` allocators, and the `uniform` one with its kept entries in `--kv-bits`.
+`adaptive` and `global` allocators, and the `uniform` one with its kept entries in `--kv-bits`
+(8- and 4-bit integers, fp8).
 Decode steps of all caches are interleaved (full, uniform, adaptive, global, ..., full, ...) so
 drift in machine load hits them alike; we report the median step of each and its ratio to the
 full-cache step.
@@ -16,10 +17,8 @@ full-cache step.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -28,13 +27,13 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvsieve
 from kvsieve.harness.report import markdown_table
-from kvsieve.runtime.attention import attention_implementation
-from kvsieve.runtime.codecs import FULL_PRECISION, EntryCodec, storage_codec
+from kvsieve.runtime.attention.sieve import attention_implementation
 from kvsieve.runtime.compat import cache_argument
-from kvsieve.runtime.prefill import Prefill
+from kvsieve.runtime.observing.prefill import Prefill
+from kvsieve.runtime.storage.codecs import FULL_PRECISION, EntryCodec, codec_for, storage_codec
 from kvsieve.selection.storage import Storage
+from results_io import Output
 
-RESULTS = Path(__file__).parent / "results"
 ALLOCATORS = ("uniform", "adaptive", "global")
 
 
@@ -70,6 +69,17 @@ def compressed(
     return prefill.cache.keep(keep, codec=codec)
 
 
+def uniform_storages(widths: str) -> dict[str, Storage]:
+    """The quantized uniform caches `--kv-bits` names ("8,4,fp8"), by cache name: a number is `kv_bits` (integer
+    codes), a name a `kv_codec` (fp8: float8 e4m3)."""
+    out = {}
+    for width in filter(None, widths.split(",")):
+        storage = Storage(int(width)) if width.isdigit() else Storage(kv_codec=width)
+        codec_for(storage)  # an unknown codec fails here, before the model loads
+        out[f"uniform, {width}-bit" if width.isdigit() else f"uniform, {width}"] = storage
+    return out
+
+
 def synchronize(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -90,8 +100,8 @@ def measure(model: LlamaForCausalLM, context: int, batch: int, args: argparse.Na
     prefill = kvsieve.observe_prefill(model, ids[:, :context], kvsieve.Needs(window=32))
     caches: dict[str, object] = {"full": dense_copy(prefill)}
     caches |= {name: compressed(prefill, name, args.rate) for name in ALLOCATORS}
-    for bits in (int(b) for b in args.kv_bits.split(",") if b):
-        caches[f"uniform, {bits}-bit"] = compressed(prefill, "uniform", args.rate, storage_codec(Storage(bits), model))
+    for name, storage in args.kv_bits.items():
+        caches[name] = compressed(prefill, "uniform", args.rate, storage_codec(storage, model))
     kv_bytes = {name: cache.nbytes() for name, cache in caches.items() if name != "full"}
     kv_bytes["full"] = prefill.cache.nbytes()
     del prefill
@@ -129,17 +139,25 @@ def markdown(report: dict) -> str:
     return markdown_table(header, body) + "\n"
 
 
+TABLE = Output("decode_overhead*", {"": markdown})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default="1024,4096")
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--rate", type=float, default=0.8)
-    parser.add_argument("--kv-bits", default="8,4", help="widths of the quantized uniform caches ('' for none)")
+    parser.add_argument(
+        "--kv-bits",
+        type=uniform_storages,
+        default="8,4,fp8",
+        help="the quantized uniform caches: bits or fp8 ('' for none)",
+    )
     parser.add_argument("--steps", type=int, default=30, help="timed decode steps per cache")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--out", default=None, help="JSON path (default: results/decode_overhead[_<device>].json)")
+    parser.add_argument("--out", type=TABLE.named, help="results file stem (default decode_overhead[_<device>])")
     args = parser.parse_args()
     console = Console()
     model = llama3_8b_shaped(getattr(torch, args.dtype), args.device)
@@ -177,12 +195,8 @@ def main() -> None:
         "steps": args.steps,
         "torch": torch.__version__,
     }
-    RESULTS.mkdir(exist_ok=True)
-    suffix = "" if args.device == "cpu" else f"_{args.device.split(':')[0]}"
-    path = Path(args.out) if args.out else RESULTS / f"decode_overhead{suffix}.json"
-    path.write_text(json.dumps({**meta, "rows": rows}, indent=2))
-    path.with_suffix(".md").write_text(markdown({**meta, "rows": rows}))
-    console.print(f"wrote {path}")
+    stem = args.out or "decode_overhead" + ("" if args.device == "cpu" else f"_{args.device.split(':')[0]}")
+    console.print(f"wrote {TABLE.write({**meta, 'rows': rows}, stem)}")
 
 
 if __name__ == "__main__":

@@ -3,10 +3,10 @@
 At each context length: one observed prefill, then caches of the same context: the model's
 own full `DynamicCache` (SDPA attention), kvsieve caches at rate 0.8 with the `uniform`,
 `adaptive` and `global` allocators, and the `uniform` one with its kept entries in `--kv-bits`
-(every forward reads them back quantized: the cost of dequantizing). Decode steps are
-interleaved (full, uniform, adaptive, global, ..., full, ...) so drift in machine load hits all
-alike; we report the median step time of each and the ratio to the full-cache step, next to the
-bound set by bytes read per step:
+(8- and 4-bit integers, fp8; every forward reads them back quantized: the cost of dequantizing).
+Decode steps are interleaved (full, uniform, adaptive, global, ..., full, ...) so drift in machine
+load hits all alike; we report the median step time of each and the ratio to the full-cache step,
+next to the bound set by bytes read per step:
 (weights + kept KV) / (weights + full KV).
 
     python benchmarks/decode_speed.py [--lengths 2048,4096,8192] [--steps 40]
@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import operator
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import transformers
@@ -32,12 +30,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from kvsieve import SievedCache, load_model, make_policy, observe_prefill, sieve_attention
 from kvsieve.harness.data import long_context
 from kvsieve.harness.report import markdown_table
-from kvsieve.runtime.attention import attention_implementation
-from kvsieve.runtime.codecs import storage_codec
+from kvsieve.runtime.attention.sieve import attention_implementation
 from kvsieve.runtime.compat import cache_argument
+from kvsieve.runtime.storage.codecs import codec_for, storage_codec
 from kvsieve.selection.storage import Storage
+from results_io import Output
 
-RESULTS = Path(__file__).parent / "results"
 ALLOCATORS = ("uniform", "adaptive", "global")
 
 
@@ -48,6 +46,17 @@ def dynamic_cache_from(cache: SievedCache) -> DynamicCache:
         view = layer.segments.padded()
         dense.update(view.keys.clone(), view.values.clone(), layer_idx)
     return dense
+
+
+def uniform_storages(widths: str) -> dict[str, Storage]:
+    """The quantized uniform caches `--kv-bits` names ("8,4,fp8"), by cache name: a number is `kv_bits` (integer
+    codes), a name a `kv_codec` (fp8: float8 e4m3)."""
+    out = {}
+    for width in filter(None, widths.split(",")):
+        storage = Storage(int(width)) if width.isdigit() else Storage(kv_codec=width)
+        codec_for(storage)  # an unknown codec fails here, before the model loads
+        out[f"uniform, {width}-bit" if width.isdigit() else f"uniform, {width}"] = storage
+    return out
 
 
 def dynamic_nbytes(cache: DynamicCache) -> int:
@@ -71,6 +80,9 @@ def markdown(report: dict) -> str:
     return markdown_table(header, body) + "\n"
 
 
+TABLE = Output("decode_speed*", {"": markdown})
+
+
 @torch.no_grad()
 def decode_step(model: torch.nn.Module, cache: object, token: torch.Tensor, device: str) -> float:
     """Seconds for one forward of one token (at its true position: the count of tokens the cache has seen)."""
@@ -86,7 +98,12 @@ def main() -> None:
     parser.add_argument("--lengths", default="2048,4096,8192")
     parser.add_argument("--rate", type=float, default=0.8)
     parser.add_argument("--scorer", default="snapkv")
-    parser.add_argument("--kv-bits", default="8,4", help="widths of the quantized uniform caches ('' for none)")
+    parser.add_argument(
+        "--kv-bits",
+        type=uniform_storages,
+        default="8,4,fp8",
+        help="the quantized uniform caches: bits or fp8 ('' for none)",
+    )
     parser.add_argument("--steps", type=int, default=40, help="timed decode steps per cache")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cpu")
@@ -94,7 +111,9 @@ def main() -> None:
     parser.add_argument(
         "--random-weights", metavar="CONFIG_DIR", help="a model folder's config.json: its shape, random weights"
     )
-    parser.add_argument("--out", help="results file stem (default decode_speed, or decode_speed_cuda on a GPU)")
+    parser.add_argument(
+        "--out", type=TABLE.named, help="results file stem (default decode_speed, or decode_speed_cuda on a GPU)"
+    )
     args = parser.parse_args()
     console = Console()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -117,9 +136,9 @@ def main() -> None:
         caches: dict[str, object] = {"full": dynamic_cache_from(prefill.cache)}
         for allocator, policy in policies.items():
             caches[allocator] = prefill.cache.keep([policy.select(prefill.observations[0], args.rate)])
-        for bits in (int(b) for b in args.kv_bits.split(",") if b):
+        for name, storage in args.kv_bits.items():
             keep = [policies["uniform"].select(prefill.observations[0], args.rate)]
-            caches[f"uniform, {bits}-bit"] = prefill.cache.keep(keep, codec=storage_codec(Storage(bits), model))
+            caches[name] = prefill.cache.keep(keep, codec=storage_codec(storage, model))
         kv_bytes = {name: cache.nbytes() for name, cache in caches.items() if name != "full"}
         kv_bytes["full"] = dynamic_nbytes(caches["full"])
         del prefill
@@ -170,7 +189,6 @@ def main() -> None:
             f"{r['ratio_over_bound']:.2f}",
         )
     console.print(table)
-    RESULTS.mkdir(exist_ok=True)
     meta = {
         "model": f"SmolLM2-135M-Instruct (GGUF, dequantized to {args.dtype})"
         + (", random weights of its shape" if args.random_weights else ""),
@@ -183,10 +201,7 @@ def main() -> None:
         "weights_bytes": weights,
     }
     stem = args.out or ("decode_speed" if args.device == "cpu" else "decode_speed_cuda")
-    path = RESULTS / f"{stem}.json"
-    path.write_text(json.dumps({**meta, "rows": rows}, indent=2))
-    path.with_suffix(".md").write_text(markdown({**meta, "rows": rows}))
-    console.print(f"wrote {path}")
+    console.print(f"wrote {TABLE.write({**meta, 'rows': rows}, stem)}")
 
 
 if __name__ == "__main__":

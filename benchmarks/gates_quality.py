@@ -11,8 +11,6 @@ documents). Used for the gates of the fast trainer (float32 and bfloat16) agains
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import numpy as np
 
@@ -23,8 +21,8 @@ from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table
 from kvsieve.harness.runners import LocalRunner
 from kvsieve.selection.checkpoint import read_gates
+from results_io import Output
 
-RESULTS = Path(__file__).parent / "results"
 RATES = [0.5, 0.7, 0.8, 0.9]
 SHIPPED = "shipped"
 
@@ -53,7 +51,7 @@ def measure(checkpoints: dict[str, str]) -> dict:
 
 
 def markdown(report: dict) -> str:
-    """PPL change per rate (and against the shipped gates) for each checkpoint."""
+    """PPL change per rate (and against the shipped gates) for each checkpoint; those passed with --gates marked."""
     body = []
     for name in dict.fromkeys(r["gates"] for r in report["rows"]):
         rows = [r for r in report["rows"] if r["gates"] == name]
@@ -63,26 +61,29 @@ def markdown(report: dict) -> str:
                 f"{c}; {r['vs_shipped']:+.2f} [{r['vs_ci95'][0]:+.2f}, {r['vs_ci95'][1]:+.2f}]"
                 for c, r in zip(cells, rows, strict=True)
             ]
-        body.append([name, *cells])
+        body.append([name if name == SHIPPED else f"{name} (not shipped)", *cells])
     header = ["gates", *(f"{rate:.0%}" for rate in RATES)]
     caption = (
-        "trimkv+global, PPL change against the full cache [95% CI] on 6 held-back essays (prefix 1024, continuation "
-        "512); after the semicolon: against the shipped gates on the same documents, paired bootstrap"
+        f"trimkv+global, PPL change against the full cache [95% CI] on {len(report['documents'])} held-back essays "
+        "(prefix 1024, continuation 512); after the semicolon: against the shipped gates on the same documents, "
+        "paired bootstrap. shipped: the gates kvsieve ships for the model; not shipped: a checkpoint passed with "
+        "--gates, read from the folder the JSON names"
     )
     return markdown_table(header, body) + "\n\n" + caption + "\n"
+
+
+TABLE = Output("gates_quality*", {"": markdown})
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gates", nargs="+", required=True, help="NAME=DIR checkpoints to compare")
-    parser.add_argument("--out", default="gates_quality", help="the results' file stem under benchmarks/results/")
+    parser.add_argument("--out", default="gates_quality", type=TABLE.named, help="results file stem (gates_quality*)")
     args = parser.parse_args()
     checkpoints = dict(item.split("=", 1) for item in args.gates)
     report = measure(checkpoints)
     print(markdown(report))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / f"{args.out}.md").write_text(markdown(report))
+    TABLE.write(report, args.out)
 
 
 if __name__ == "__main__":

@@ -4,18 +4,19 @@ The same dequantized model scores the first `--tokens` tokens of `--docs` essays
 `transformers`' GGUF converter (a Unigram model of the vocabulary, no BOS) and by the tokenizer
 kvsieve rebuilds from the GGUF (`kvsieve.harness.gemma.gguf_spm_tokenizer`: SentencePiece BPE, BOS first),
 each with and without BOS in front. Perplexity is per token, so it is comparable only within one
-tokenizer; bits per character compare them all. Also renders `kvsieve ppl --model gemma3-270m`'s
-JSON, results/ppl_gemma3_270m.json, when it is there, as results/ppl_gemma3_270m.md.
+tokenizer; bits per character compare them all. With `--ppl` it also runs `kvsieve ppl` on Gemma-3-270M
+(`PPL_COMMAND`, about 3 minutes), which writes results/ppl_gemma3_270m.json and .png; that JSON, when it
+is there, is rendered as results/ppl_gemma3_270m.md.
 
-    python benchmarks/gemma_tokenizer.py [--docs 4] [--tokens 512]
+    python benchmarks/gemma_tokenizer.py [--docs 4] [--tokens 512] [--ppl]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-from pathlib import Path
+import subprocess
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +29,11 @@ from kvsieve.harness.data import essay_texts
 from kvsieve.harness.gemma import gemma_gguf
 from kvsieve.harness.models import cache_home
 from kvsieve.harness.report import markdown_table
+from results_io import RESULTS, Output
 
-RESULTS = Path(__file__).parent / "results"
-#: The CLI's perplexity run on Gemma (`kvsieve ppl --model gemma3-270m ... --out` this path).
-GEMMA_PPL = RESULTS / "ppl_gemma3_270m.json"
+#: The CLI's perplexity run on Gemma that docs/benchmarks.md shows (`--ppl` runs it; `--json` is added).
+PPL_COMMAND = ("ppl", "--model", "gemma3-270m", "--docs", "2", "--prefix", "1024", "--continuation", "256")
+PPL_COMMAND += ("--policies", "snapkv,random", "--rates", "0.5,0.8")
 #: How the docs name the JSON's tokenizers.
 TOKENIZERS = {
     "transformers GGUF converter": "`transformers`' GGUF converter (Unigram)",
@@ -82,10 +84,23 @@ def gemma_ppl_markdown(report: dict) -> str:
     return markdown_table([*header, "KV MiB per sequence"], body) + "\n"
 
 
+TABLE = Output("gemma_tokenizer", {"": markdown})
+#: `kvsieve ppl` writes the JSON and the plot (`run_gemma_ppl`); this script renders the table.
+GEMMA_PPL = Output("ppl_gemma3_270m", {"": gemma_ppl_markdown}, extras=(".png",))
+
+
+def run_gemma_ppl() -> None:
+    """Run `kvsieve ppl` (`PPL_COMMAND`) with this Python: its JSON, and its plot next to it, into the results."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{GEMMA_PPL.stem}.json"
+    subprocess.run([sys.executable, "-m", "kvsieve", *PPL_COMMAND, "--json", str(path)], check=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--ppl", action="store_true", help="also run `kvsieve ppl` on Gemma-3-270M (PPL_COMMAND)")
     args = parser.parse_args()
     model, rebuilt = kvsieve.load_model("gemma3-270m")
     path = gemma_gguf(cache_home())
@@ -102,11 +117,11 @@ def main() -> None:
     for row in rows:
         table.add_row(row["tokenizer"], str(row["bos"]), f"{row['ppl']:.2f}", f"{row['bits_per_char']:.3f}")
     Console().print(table)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "gemma_tokenizer.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
-    (RESULTS / "gemma_tokenizer.md").write_text(markdown({"args": vars(args), "rows": rows}))
-    if GEMMA_PPL.exists():
-        GEMMA_PPL.with_suffix(".md").write_text(gemma_ppl_markdown(json.loads(GEMMA_PPL.read_text())))
+    TABLE.write({"args": vars(args), "rows": rows})
+    if args.ppl:
+        run_gemma_ppl()
+    if GEMMA_PPL.stems():
+        GEMMA_PPL.render()
 
 
 if __name__ == "__main__":

@@ -16,12 +16,10 @@ import statistics
 import subprocess
 import sys
 from importlib.metadata import version
-from pathlib import Path
 
 from kvsieve.harness.progress import console
 from kvsieve.harness.report import markdown_table
-
-RESULTS = Path(__file__).parent / "results"
+from results_io import Output
 
 #: Each stage's import, timed in order in one process.
 STAGES = {
@@ -61,10 +59,13 @@ def markdown(report: dict) -> str:
     return markdown_table(["process", "import", "seconds (median)"], body) + "\n"
 
 
+TABLE = Output("import_time*", {"": markdown})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--out", default="import_time", help="results file stem")
+    parser.add_argument("--out", default="import_time", type=TABLE.named, help="results file stem (import_time*)")
     args = parser.parse_args()
     report = {
         "repeats": args.repeats,
@@ -73,10 +74,7 @@ def main() -> None:
         "rows": measure(args.repeats),
     }
     console.print(markdown(report))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / f"{args.out}.md").write_text(markdown(report))
-    console.print(f"wrote {RESULTS / args.out}.json")
+    console.print(f"wrote {TABLE.write(report, args.out)}")
 
 
 if __name__ == "__main__":

@@ -19,10 +19,8 @@ of the newest R entries per (layer, kv-head), which stay in full precision.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +30,10 @@ import kvsieve
 from kvsieve.harness.data import essay_split, sample_documents
 from kvsieve.harness.progress import console
 from kvsieve.harness.report import markdown_table
-from kvsieve.runtime.codecs import Quantized
 from kvsieve.runtime.compat import cache_argument
+from kvsieve.runtime.storage.codecs import Quantized
+from results_io import Output
 
-RESULTS = Path(__file__).parent / "results"
 PREFIX, CONTINUATION, GROUP, CHUNK = 1024, 512, 32, 64
 RESIDUALS = (0, 32, 128)
 
@@ -112,23 +110,31 @@ def main() -> None:
             console.print(f"{bits} bits, residual {residual}: PPL {value:.3f} ({cache[-1]['delta_pct']:+.2f}%)")
     report = {"docs": args.docs, "prefix": PREFIX, "continuation": CONTINUATION, "group": GROUP, "chunk": CHUNK}
     report |= {"full_ppl": full, "full_ppl_chunked": streamed, "layouts": layouts, "cache": cache}
-    body = [[str(r["bits"]), r["layout"], f"{r['ppl']:.3f}", f"{r['delta_pct']:+.2f}%"] for r in layouts]
-    markdown = markdown_table(["bits", "layout", "PPL", "change"], body) + (
-        f"\nfull-cache PPL {full:.3f}; {args.docs} held-back essays, prefix {PREFIX} quantized after a full-precision "
-        f"prefill, {CONTINUATION} scored tokens as computed; one scale and one minimum per {GROUP} numbers in every "
-        "layout\n\n"
+    console.print(markdown(report))
+    TABLE.write(report)
+
+
+def markdown(report: dict) -> str:
+    """The two tables: PPL per width and layout after a prefill; then kvsieve's cache per width and residual."""
+    body = [[str(r["bits"]), r["layout"], f"{r['ppl']:.3f}", f"{r['delta_pct']:+.2f}%"] for r in report["layouts"]]
+    text = markdown_table(["bits", "layout", "PPL", "change"], body) + (
+        f"\nfull-cache PPL {report['full_ppl']:.3f}; {report['docs']} held-back essays, prefix {report['prefix']} "
+        f"quantized after a full-precision prefill, {report['continuation']} scored tokens as computed; one scale and "
+        f"one minimum per {report['group']} numbers in every layout\n\n"
     )
-    header = ["bits", *(f"residual {r}" for r in RESIDUALS)]
-    body = [[str(bits), *(f"{r['delta_pct']:+.2f}%" for r in cache if r["bits"] == bits)] for bits in (8, 4, 2)]
-    markdown += markdown_table(header, body) + (
-        f"\nkvsieve's cache, nothing evicted: the {CONTINUATION} scored tokens fed {CHUNK} at a time and stored as "
-        f"they come (full cache fed the same way: PPL {streamed:.3f}); residual = the newest entries per "
-        "(layer, kv-head) kept in full precision\n"
+    cache = report["cache"]
+    header = ["bits", *(f"residual {residual}" for residual in dict.fromkeys(r["residual"] for r in cache))]
+    widths = dict.fromkeys(r["bits"] for r in cache)
+    body = [[str(bits), *(f"{r['delta_pct']:+.2f}%" for r in cache if r["bits"] == bits)] for bits in widths]
+    text += markdown_table(header, body)
+    return text + (
+        f"\nkvsieve's cache, nothing evicted: the {report['continuation']} scored tokens fed {report['chunk']} at a "
+        f"time and stored as they come (full cache fed the same way: PPL {report['full_ppl_chunked']:.3f}); "
+        "residual = the newest entries per (layer, kv-head) kept in full precision\n"
     )
-    console.print(markdown)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "kv_quant_layouts.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / "kv_quant_layouts.md").write_text(markdown)
+
+
+TABLE = Output("kv_quant_layouts", {"": markdown})
 
 
 if __name__ == "__main__":

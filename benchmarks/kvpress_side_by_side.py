@@ -25,10 +25,9 @@ from kvsieve.harness.eval.sweep import run_sweep
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table
 from kvsieve.harness.runners import LocalRunner
+from results_io import Output
 
-ROOT = Path(__file__).parent
-RESULTS = ROOT / "results"
-RAW = ROOT.parent / "results" / "kvpress_side_by_side"
+RAW = Path(__file__).parent.parent / "results" / "kvpress_side_by_side"
 
 #: kvsieve policy -> the kvpress press with the same scoring rule.
 PAIRS = {
@@ -78,7 +77,9 @@ def side_by_side(rows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(lines)
 
 
-def markdown(table: pd.DataFrame, full: pd.Series) -> str:
+def markdown(report: dict) -> str:
+    """Each kvsieve policy beside the kvpress press with its rule, per rate; the full cache in the caption."""
+    table, full = pd.DataFrame(report["rows"]), report["full"]
     header = [
         "rate",
         "kvsieve / kvpress",
@@ -103,6 +104,9 @@ def markdown(table: pd.DataFrame, full: pd.Series) -> str:
         f"KV {full['kv_mib']:.2f} MiB, wall {full['wall_s']:.2f} s; {int(full['n'])} samples"
     )
     return markdown_table(header, body) + f"\n\n{caption}\n"
+
+
+TABLE = Output("kvpress_side_by_side", {"": markdown})
 
 
 def main() -> None:
@@ -132,14 +136,10 @@ def main() -> None:
             "n": len(full_rows),
         }
     )
-    text = markdown(table, full)
-    Console(width=200).print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "kvpress_side_by_side.md").write_text(text)
     summary = {"tasks": args.tasks, "samples_per_task": args.samples, "length": args.length, "rates": rates}
     summary |= {"full": full.to_dict(), "rows": json.loads(table.to_json(orient="records"))}
-    (RESULTS / "kvpress_side_by_side.json").write_text(json.dumps(summary, indent=2))
-    print(f"wrote {RESULTS}/kvpress_side_by_side.{{json,md}}")
+    Console(width=200).print(markdown(summary))
+    print(f"wrote {TABLE.write(summary)}")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,7 @@ benchmarks/results/kvzip_agnostic{.json,.md}.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 from rich.console import Console
 
@@ -24,8 +22,8 @@ from kvsieve.harness.models import ModelChoice
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table
 from kvsieve.harness.runners import LocalRunner
+from results_io import Output
 
-RESULTS = Path(__file__).parent / "results"
 TASKS = "niah_single_2,niah_multikey_1"
 POLICIES = ["trimkv+global", "kvzip+global", "kvzip", "snapkv", "expected", "streaming"]
 RATES = [0.5, 0.75, 0.9]
@@ -44,6 +42,9 @@ def markdown(report: dict) -> str:
         )  # fmt: skip
     header = ["policy", *(f"{rate:.0%} evicted: correct (gold log-prob)" for rate in RATES)]
     return markdown_table(header, body) + "\n"
+
+
+TABLE = Output("kvzip_agnostic", {"": markdown})
 
 
 def main() -> None:
@@ -68,10 +69,7 @@ def main() -> None:
         "rows": stats[["policy", "rate", "n", "accuracy", "mean_gold_logprob", "mean_kv_bytes"]].to_dict("records"),
     }
     Console().print(markdown(report))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "kvzip_agnostic.json").write_text(json.dumps(report, indent=2))
-    (RESULTS / "kvzip_agnostic.md").write_text(markdown(report))
-    print(f"wrote {RESULTS / 'kvzip_agnostic.json'}")
+    print(f"wrote {TABLE.write(report)}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Writes benchmarks/results/kvzip_gates{.json,.md}; the gates go to `--gates` (a r
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -29,8 +28,8 @@ from kvsieve.harness.report import markdown_table
 from kvsieve.harness.runners import LocalRunner
 from kvsieve.harness.training.data import training_data
 from kvsieve.harness.training.train import TrainConfig, train_gates
+from results_io import Output
 
-RESULTS = Path(__file__).parent / "results"
 RATES = [0.5, 0.75, 0.9]
 #: What the JSON keeps of each row.
 COLUMNS = ["sample", "task", "policy", "rate", "kv_bytes", "correct", "gold_logprob"]
@@ -54,12 +53,13 @@ def train(model, tokenizer, out: Path) -> dict:
     }
 
 
-def markdown(rows: pd.DataFrame, labels: dict[str, str]) -> str:
+def markdown(report: dict) -> str:
     """Correct answers per policy and group of tasks at each rate, and the mean gold log-prob of each group."""
+    rows = pd.DataFrame(report["rows"])
     rates = " / ".join(f"{r:.0%}" for r in RATES)
     correct, logprob = [], []
-    for policy, name in labels.items():
-        mine = rows[rows["policy"] == policy]
+    for name in dict.fromkeys(rows["policy"]):
+        mine = rows[rows["policy"] == name]
         counts, means = [], []
         for tasks in GROUPS.values():
             by_rate = mine[mine["task"].isin(tasks)].groupby("rate")
@@ -72,6 +72,9 @@ def markdown(rows: pd.DataFrame, labels: dict[str, str]) -> str:
     first = markdown_table(["policy", *(f"{group}: correct at {rates}" for group in GROUPS)], correct)
     second = markdown_table(["policy", *(f"{group}: gold log-prob at {rates}" for group in GROUPS)], logprob)
     return first + "\n\n" + second + "\n"
+
+
+TABLE = Output("kvzip_gates", {"": markdown})
 
 
 def main() -> None:
@@ -101,11 +104,8 @@ def main() -> None:
         "seconds": time.perf_counter() - start,
         "rows": rows[COLUMNS].assign(policy=rows["policy"].map(labels)).to_dict("records"),
     }
-    Console().print(markdown(rows, labels))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "kvzip_gates.json").write_text(json.dumps(report, indent=1, default=str))
-    (RESULTS / "kvzip_gates.md").write_text(markdown(rows, labels))
-    print(f"wrote {RESULTS / 'kvzip_gates.json'}")
+    Console().print(markdown(report))
+    print(f"wrote {TABLE.write(report)}")
 
 
 if __name__ == "__main__":

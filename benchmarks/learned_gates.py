@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,8 +44,8 @@ from kvsieve.harness.gemma import GEMMA_MODEL
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table, ppl_markdown, stream_markdown
 from kvsieve.harness.runners import LocalRunner
+from results_io import RESULTS, Output
 
-RESULTS = Path(__file__).parent / "results"
 LEARNED = ["trimkv+global", "trimkv", "trimkv+adaptive", "trimkv+global:gates=untrained"]
 #: The heuristics, each with the allocator that did best for it in `policy_table` (vatp: global, the rest uniform).
 HEURISTICS = ["importance", "h2o", "vatp+global", "snapkv", "expected"]
@@ -67,7 +66,7 @@ GEMMA_RUN = {"docs": 4, "samples": 1, "length": 1024, "stream_docs": 1, "stream_
 GEMMA_RUN |= {"budgets": [256, 512], "needle_samples": 3, "lengths": "1024,4096"}
 
 
-def stage_ppl(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:
+def stage_ppl(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict:
     _, heldout = essay_split()
     documents = sample_documents(tokenizer, args.docs, 1024 + 512 + 1, names=heldout)
     policies = [*LEARNED, *RIVALS]
@@ -75,11 +74,10 @@ def stage_ppl(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dic
         result = run_ppl(LocalRunner(model, tokenizer), documents, policies, [0.5, 0.7, 0.8, 0.9], progress=progress)
     paired = _paired_rows(result)
     nll = {f"{policy}@{rate}": values for (policy, rate), values in result.nll.items()}
-    report = result.to_json() | {"paired": paired, "nll": nll | {"full": result.nll_full}}
-    return report, ppl_markdown(report, by_policy=True) + "\n\n" + _paired_markdown(paired)
+    return result.to_json() | {"paired": paired, "nll": nll | {"full": result.nll_full}}
 
 
-def stage_tasks(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:
+def stage_tasks(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict:
     frames = []
     for suite in ("ruler", "routing"):
         samples = task_samples(suite, tokenizer, length=args.length, n=args.samples, seed=0)
@@ -94,22 +92,19 @@ def stage_tasks(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[d
     claimant = rows[rows["policy"].isin(["full", CLAIMANT])]
     pooled = claimant.assign(index=claimant["task"] + "/" + claimant["index"].astype(str), task="all")
     claim = against_full(pd.concat([claimant, pooled], ignore_index=True))
-    report = {"curves": curves.to_dict("records"), "claim": claim.to_dict("records"), "setup": FULL_RUN}
-    markdown = _curve_markdown(curves) + "\n\n" + _claim_markdown(claim)
-    return report, markdown
+    return {"curves": curves.to_dict("records"), "claim": claim.to_dict("records"), "setup": FULL_RUN}
 
 
-def stage_stream(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:
+def stage_stream(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict:
     _, heldout = essay_split()
     documents = streaming_documents(tokenizer, args.stream_docs, args.stream_tokens, names=heldout)
     policies = ["trimkv+global", "trimkv", "h2o", "snapkv", "streaming"]
     with progress_bar("streaming perplexity, held-back essays") as progress:
         result = run_streaming(LocalRunner(model), documents, policies, args.budgets, progress=progress)
-    report = result.to_json()
-    return report, stream_markdown(report)
+    return result.to_json()
 
 
-def stage_crossover(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:
+def stage_crossover(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict:
     frames = []
     for length in (int(x) for x in args.lengths.split(",")):
         samples = task_samples("niah_single_2,niah_multikey_1", tokenizer, length=length, n=args.needle_samples, seed=0)
@@ -125,10 +120,10 @@ def stage_crossover(model: Any, tokenizer: Any, args: argparse.Namespace) -> tup
         frames.append(frame.assign(length=length))
     rows = pd.concat(frames, ignore_index=True)
     claim = pd.concat([against_full(part).assign(length=n) for n, part in rows.groupby("length")], ignore_index=True)
-    return {"claim": claim.to_dict("records")}, _claim_markdown(claim, extra=["length", "policy"])
+    return {"claim": claim.to_dict("records")}
 
 
-def stage_length(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:
+def stage_length(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict:
     """Gates trained at 1,024 tokens, read far past that: needles at the longest length at every rate, and the
     stream stage's PPL change per position bucket (from its results; run `stream` first)."""
     length = max(int(x) for x in args.lengths.split(","))
@@ -144,9 +139,7 @@ def stage_length(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[
         )
     claim = against_full(rows).assign(length=length)
     stream = json.loads((RESULTS / f"{args.prefix}_stream.json").read_text())
-    report = {"claim": claim.to_dict("records"), "positions": position_rows(stream)}
-    markdown = _claim_markdown(claim, extra=["length", "policy"]) + "\n\n" + position_markdown(report["positions"])
-    return report, markdown
+    return {"claim": claim.to_dict("records"), "positions": position_rows(stream)}
 
 
 def position_rows(stream: dict) -> list[dict]:
@@ -186,7 +179,7 @@ def _paired_rows(result: PplResult) -> list[dict]:
 
 def _paired_markdown(paired: list[dict]) -> str:
     table = pd.DataFrame(paired)
-    header = ["rate", *(f"{CLAIMANT} vs {rival}" for rival in RIVALS)]
+    header = ["rate", *(f"{CLAIMANT} vs {rival}" for rival in dict.fromkeys(table["against"]))]
     body = [
         [f"{rate:.0%}", *(f"{r.delta_pct:+.2f}% [{r.ci95[0]:+.2f}, {r.ci95[1]:+.2f}]" for r in rows.itertuples())]
         for rate, rows in table.groupby("rate", sort=True)
@@ -236,7 +229,7 @@ def tasks_summary_markdown(report: dict) -> str:
     """Markdown: per suite (RULER first), accuracy (mean gold log-prob) of each policy per mode and rate."""
     suites = {r["suite"] for r in report["curves"]}
     order = [s for s in ("ruler", "routing") if s in suites] + sorted(suites - {"ruler", "routing"})
-    return "\n\n".join(_suite_markdown(report["curves"], suite) for suite in order)
+    return "\n\n".join(_suite_markdown(report["curves"], suite) for suite in order) + "\n"
 
 
 def stream_summary_markdown(report: dict) -> str:
@@ -251,13 +244,45 @@ def stream_summary_markdown(report: dict) -> str:
         cells = [f"{c['delta_pct']:+.1f}% [{c['ci95'][0]:+.1f}, {c['ci95'][1]:+.1f}]" for c in changes]
         first, last = rows[p, budgets[0]]["ms_per_token"], rows[p, budgets[-1]]["ms_per_token"]
         body.append([p, *cells, f"{first:.2f} / {last:.2f}"])
-    return markdown_table(header, body)
+    return markdown_table(header, body) + "\n"
 
 
-#: The compact tables the docs show, per stage (written next to the stage's own files).
-SUMMARIES = {"tasks": tasks_summary_markdown, "stream": stream_summary_markdown}
-STAGES = {"ppl": stage_ppl, "tasks": stage_tasks, "stream": stage_stream, "crossover": stage_crossover}
-STAGES |= {"length": stage_length}
+def ppl_stage_markdown(report: dict) -> str:
+    """The ppl stage: PPL change per policy and rate, then the claimant against each rival (paired)."""
+    return ppl_markdown(report, by_policy=True) + "\n\n" + _paired_markdown(report["paired"]) + "\n"
+
+
+def tasks_markdown(report: dict) -> str:
+    """The tasks stage: accuracy per suite, mode, policy and rate, then the claimant against the full cache."""
+    curves, claim = pd.DataFrame(report["curves"]), pd.DataFrame(report["claim"])
+    return _curve_markdown(curves) + "\n\n" + _claim_markdown(claim) + "\n"
+
+
+def stream_stage_markdown(report: dict) -> str:
+    """The stream stage: PPL change per position bucket, bytes and time, per policy and budget."""
+    return stream_markdown(report) + "\n"
+
+
+def crossover_markdown(report: dict) -> str:
+    """The crossover stage: each policy against the full cache on the needles, per length."""
+    return _claim_markdown(pd.DataFrame(report["claim"]), extra=["length", "policy"]) + "\n"
+
+
+def length_markdown(report: dict) -> str:
+    """The length stage: the needles at the longest length, then the stream's PPL change per position bucket."""
+    claim = _claim_markdown(pd.DataFrame(report["claim"]), extra=["length", "policy"])
+    return claim + "\n\n" + position_markdown(report["positions"]) + "\n"
+
+
+# What each stage writes: learned_<model>_<stage>.{json,md}, and for `tasks` and `stream` the compact tables the
+# docs show (`_summary.md`).
+PPL = Output("learned_*_ppl", {"": ppl_stage_markdown})
+TASKS = Output("learned_*_tasks", {"": tasks_markdown, "_summary": tasks_summary_markdown})
+STREAM = Output("learned_*_stream", {"": stream_stage_markdown, "_summary": stream_summary_markdown})
+CROSSOVER = Output("learned_*_crossover", {"": crossover_markdown})
+LENGTH = Output("learned_*_length", {"": length_markdown})
+STAGES = {"ppl": (stage_ppl, PPL), "tasks": (stage_tasks, TASKS), "stream": (stage_stream, STREAM)}
+STAGES |= {"crossover": (stage_crossover, CROSSOVER), "length": (stage_length, LENGTH)}
 
 
 def main() -> None:
@@ -271,18 +296,14 @@ def main() -> None:
         setattr(args, key, value)
     model, tokenizer = kvsieve.load_model(None if args.model == "default" else args.model)
     args.prefix = "learned_gates" if args.model in (None, "default") else f"learned_{args.model.replace('-', '_')}"
-    RESULTS.mkdir(exist_ok=True)
     for name in args.stages.split(","):
+        stage, output = STAGES[name]
         start = time.perf_counter()
-        report, markdown = STAGES[name](model, tokenizer, args)
+        report = stage(model, tokenizer, args)
         report["wall_seconds"] = time.perf_counter() - start
-        print(markdown)
+        print(output.tables[""](report))
         if not args.quick:
-            stem = RESULTS / f"{args.prefix}_{name}"
-            stem.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
-            stem.with_suffix(".md").write_text(markdown + "\n")
-            if name in SUMMARIES:
-                (RESULTS / f"{args.prefix}_{name}_summary.md").write_text(SUMMARIES[name](report) + "\n")
+            output.write(report, f"{args.prefix}_{name}")
         print(f"stage {name}: {report['wall_seconds']:.0f} s")
 
 

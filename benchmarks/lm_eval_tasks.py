@@ -37,8 +37,8 @@ from kvsieve.harness.data.sample import prompt_texts
 from kvsieve.harness.data.suites import task_samples
 from kvsieve.harness.progress import console
 from kvsieve.harness.report import markdown_table
+from results_io import RESULTS, Output
 
-RESULTS = Path(__file__).parent / "results"
 TASK_FILES = Path(__file__).parent / "lm_eval_task_files"
 POLICIES = ("trimkv+global", "snapkv", "expected", "streaming")
 #: (task form, generator task) -> lm-eval task name
@@ -155,6 +155,9 @@ def markdown(report: dict) -> str:
     return markdown_table(header, body) + note
 
 
+TABLE = Output("lm_eval_tasks", {"": markdown})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=20)
@@ -165,10 +168,7 @@ def main() -> None:
     args = parser.parse_args()
     report = measure(args)
     console.print(markdown(report))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "lm_eval_tasks.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / "lm_eval_tasks.md").write_text(markdown(report))
-    console.print(f"wrote {RESULTS / 'lm_eval_tasks.json'}")
+    console.print(f"wrote {TABLE.write(report)}")
 
 
 if __name__ == "__main__":

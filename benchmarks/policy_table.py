@@ -12,9 +12,7 @@ the tables, writes JSON, Markdown and two plots under benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-from pathlib import Path
 
 from rich.console import Console
 
@@ -24,13 +22,21 @@ from kvsieve.harness.eval import run_ppl
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import plot_ppl, ppl_markdown, ppl_table
 from kvsieve.harness.runners import LocalRunner
+from results_io import RESULTS, Output
 
-RESULTS = Path(__file__).parent / "results"
 ALLOCATED = ["adaptive", "pyramid", "global", "global:calibration=zscore"]
 
 
 def subset(report: dict, policies: list[str]) -> dict:
     return report | {"rows": [r for r in report["rows"] if r["policy"] in policies]}
+
+
+def markdown(report: dict) -> str:
+    """The report's table, a row per policy."""
+    return ppl_markdown(report, by_policy=True)
+
+
+TABLE = Output("policy_table", {"": markdown}, extras=("_scorers.png", "_allocators.png"))
 
 
 def main() -> None:
@@ -70,9 +76,7 @@ def main() -> None:
     assert gap < 1e-4, f"the two stages disagree on the full-cache NLL by {gap:.1e}"
     console.print(ppl_table(report, by_policy=True))
 
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "policy_table.json").write_text(json.dumps(report, indent=2))
-    (RESULTS / "policy_table.md").write_text(ppl_markdown(report, by_policy=True))
+    TABLE.write(report)
     plot_ppl(subset(report, stage1.policies), RESULTS / "policy_table_scorers.png", title="every scorer, uniform")
     allocated = [*best, *stage2.policies]
     plot_ppl(subset(report, allocated), RESULTS / "policy_table_allocators.png", title="best three x allocators")

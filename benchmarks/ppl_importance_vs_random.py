@@ -11,9 +11,7 @@ both give the same numbers.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -23,8 +21,9 @@ from kvsieve.harness.data import sample_documents
 from kvsieve.harness.eval import run_ppl
 from kvsieve.harness.report import plot_ppl, ppl_markdown, ppl_table
 from kvsieve.harness.runners import LocalRunner
+from results_io import RESULTS, Output
 
-RESULTS = Path(__file__).parent / "results"
+TABLE = Output("ppl_importance_vs_random", {"": ppl_markdown}, extras=(".png",))
 
 
 def main() -> None:
@@ -83,10 +82,8 @@ def main() -> None:
         f"same numbers both ways: {identical}"
     )
 
-    RESULTS.mkdir(exist_ok=True)
     report["timing"] = timing
-    (RESULTS / "ppl_importance_vs_random.json").write_text(json.dumps(report, indent=2))
-    (RESULTS / "ppl_importance_vs_random.md").write_text(ppl_markdown(report))
+    TABLE.write(report)
     plot_ppl(report, RESULTS / "ppl_importance_vs_random.png")
     console.print(f"wrote {RESULTS}/ppl_importance_vs_random.{{json,md,png}}")
 

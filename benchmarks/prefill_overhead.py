@@ -16,10 +16,8 @@ repeat. Medians over repeats.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -30,8 +28,7 @@ from kvsieve import Needs, known_policies, load_model, make_policy, observe_pref
 from kvsieve.harness.data import long_context
 from kvsieve.harness.report import markdown_table
 from kvsieve.runtime.compat import cache_argument
-
-RESULTS = Path(__file__).parent / "results"
+from results_io import Output
 
 
 def timed(fn: object, *args: object, **kwargs: object) -> tuple[float, object]:
@@ -62,13 +59,18 @@ def markdown(report: dict) -> str:
     return markdown_table(header, body) + "\n"
 
 
+TABLE = Output("prefill_overhead*", {"": markdown})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="2048,4096")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rate", type=float, default=0.8)
     parser.add_argument("--policies", help="comma-separated specs (default: every scorer)")
-    parser.add_argument("--out", default="prefill_overhead", help="name of the results files")
+    parser.add_argument(
+        "--out", default="prefill_overhead", type=TABLE.named, help="results file stem (prefill_overhead*)"
+    )
     args = parser.parse_args()
     console = Console()
     model, tokenizer = load_model()
@@ -128,12 +130,9 @@ def main() -> None:
             f"{r['ratio']:.3f}",
         )
     console.print(table)
-    RESULTS.mkdir(exist_ok=True)
     meta = {"model": "SmolLM2-135M-Instruct (float32)", "device": "cpu", "threads": torch.get_num_threads()}
     payload = {**meta, "repeats": args.repeats, "rows": rows}
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(payload, indent=2))
-    (RESULTS / f"{args.out}.md").write_text(markdown(payload))
-    console.print(f"wrote {RESULTS / args.out}.json")
+    console.print(f"wrote {TABLE.write(payload, args.out)}")
 
 
 if __name__ == "__main__":

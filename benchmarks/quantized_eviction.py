@@ -1,10 +1,11 @@
 """Quantized entries stacked on eviction, compared at equal bytes: which mix of bits and kept entries wins?
 
 The model runs in bfloat16, so the full cache holds 16 bits per number (as served on GPUs). At byte
-budgets of 50, 25, 12.5 and 6.25% of that full cache, every policy reaches the budget four ways:
+budgets of 50, 25, 12.5 and 6.25% of that full cache, every policy reaches the budget five ways:
 eviction alone (16 bits), or 8-, 4- or 2-bit entries (`kv_bits`; one scale and one minimum per 32
-channels, so 9, 5 and 3 bits per number; the newest 32 entries of every head in bfloat16) with as
-much eviction as the bytes leave. Where a width fits the budget with nothing evicted, that mix is
+channels, so 9, 5 and 3 bits per number) or float8 entries (`kv_codec=fp8`, e4m3; one scale per 32
+channels, so 8.5 bits per number), the newest 32 entries of every head in bfloat16, with as much
+eviction as the bytes leave. Where a width fits the budget with nothing evicted, that mix is
 quantization alone. A mix keeps the entries a byte budget would give it over a nominal context
 (`kept_entries`; sinks and the recent tail always kept); the tables report the bytes each row held.
 
@@ -19,9 +20,13 @@ quantization alone. A mix keeps the entries a byte budget would give it over a n
 - ``kvpress``: kvpress's snapkv and expected-attention presses over its own quantized cache (4 and 2 bits;
   `transformers`' `QuantizedCache` with optimum-quanto) next to kvsieve's, by perplexity at the same bytes.
 
-Each stage writes `benchmarks/results/quantized_eviction_<stage>.{json,md}`.
+Each stage writes `benchmarks/results/quantized_eviction_<stage>.{json,md}`. `--widths` runs only the
+given widths of the ``ppl`` stage (and the eviction-only run, the composition's reference) and merges
+their cells into its existing results, once the eviction-only cells and the full cache's PPL come out
+as stored (perplexity is deterministic for the same runs: the other widths' cells stand).
 
     python benchmarks/quantized_eviction.py [--stages ppl,tasks,stream,kvpress] [--quick]
+    python benchmarks/quantized_eviction.py --stages ppl --widths fp8
 """
 
 from __future__ import annotations
@@ -32,7 +37,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,13 +55,17 @@ from kvsieve.harness.eval.sweep import run_sweep
 from kvsieve.harness.progress import console, progress_bar
 from kvsieve.harness.report import markdown_table
 from kvsieve.harness.runners import LocalRunner
-from kvsieve.runtime.codecs import DEFAULT_RESIDUAL, make_codec
-from kvsieve.selection.architecture import kv_geometry
+from kvsieve.modeling.architecture import kv_geometry
+from kvsieve.runtime.storage.codecs import codec_for, make_codec
 from kvsieve.selection.protection import DEFAULT_N_RECENT, DEFAULT_N_SINK
+from kvsieve.selection.storage import DEFAULT_RESIDUAL, Storage
+from results_io import RESULTS, Output
 
-RESULTS = Path(__file__).parent / "results"
 FRACTIONS = (0.5, 0.25, 0.125, 0.0625)
-BITS = (16, 8, 4, 2)
+#: How kept entries are stored: bits per number (16: bfloat16, as computed; 8, 4, 2: integer codes, `kv_bits`)
+#: or a codec's name (`kv_codec`). The results' JSON keeps the key ``bits`` for it.
+Width = int | str
+WIDTHS: tuple[Width, ...] = (16, 8, "fp8", 4, 2)
 POLICIES = ("trimkv+global", "snapkv", "expected", "h2o", "streaming")
 #: Quantized at the eviction-only rates too (the same entries, fewer bits).
 COMPOSED = ("trimkv+global", "snapkv")
@@ -78,10 +86,10 @@ PROTECTED = DEFAULT_N_SINK + DEFAULT_N_RECENT
 
 @dataclass(frozen=True)
 class Mix:
-    """One way to reach a byte budget: `bits` per number and `kept` entries per (layer, kv-head)."""
+    """One way to reach a byte budget: entries stored at `width`, `kept` of them per (layer, kv-head)."""
 
     fraction: float
-    bits: int
+    width: Width
     kept: int
     tokens: int
 
@@ -94,58 +102,72 @@ class Mix:
         """The eviction rate (over evictable entries) that keeps `kept` of the `tokens`."""
         return 0.0 if self.alone else round(1 - (self.kept - PROTECTED) / (self.tokens - PROTECTED), 4)
 
-    @property
-    def label(self) -> str:
-        return "eviction only" if self.bits == 16 else f"{self.bits}-bit"
+
+def width_label(width: Width) -> str:
+    """A width's column: "eviction only", "8-bit", or the codec's name."""
+    if width == 16:
+        return "eviction only"
+    return f"{width}-bit" if isinstance(width, int) else width
+
+
+def storage(width: Width) -> Storage:
+    """The storage a width names (`kv_bits` for a number, `kv_codec` for a name)."""
+    return Storage(width) if isinstance(width, int) else Storage(kv_codec=width)
 
 
 def kept_entries(
-    fraction: float, bits: int, tokens: int, head_dim: int, residual: int = DEFAULT_RESIDUAL
+    fraction: float, width: Width, tokens: int, head_dim: int, residual: int = DEFAULT_RESIDUAL
 ) -> int | None:
-    """Entries per (layer, kv-head) a byte budget of `fraction` of `tokens` bfloat16 entries holds at `bits`: the
-    `residual` in bfloat16 (kvpress after its prefill: none), the rest quantized. None when the protected entries
+    """Entries per (layer, kv-head) a byte budget of `fraction` of `tokens` bfloat16 entries holds at `width`: the
+    `residual` in bfloat16 (kvpress after its prefill: none), the rest encoded. None when the protected entries
     alone do not fit."""
     entry = make_codec(16).entry_bytes(head_dim, torch.bfloat16)
     budget = fraction * tokens * entry
-    if bits == 16:
+    if width == 16:
         kept = budget / entry
     else:
-        kept = residual + (budget - residual * entry) / make_codec(bits).entry_bytes(head_dim, torch.bfloat16)
+        encoded = codec_for(storage(width), head_dim).entry_bytes(head_dim, torch.bfloat16)
+        kept = residual + (budget - residual * entry) / encoded
     return None if kept < PROTECTED + 1 else min(tokens, math.floor(kept))
 
 
 def mixes(
-    head_dim: int, tokens: int, bits_options: tuple[int, ...] = BITS, residual: int = DEFAULT_RESIDUAL
+    head_dim: int, tokens: int, widths: tuple[Width, ...] = WIDTHS, residual: int = DEFAULT_RESIDUAL
 ) -> list[Mix]:
     out = []
     for fraction in FRACTIONS:
-        for bits in bits_options:
-            kept = kept_entries(fraction, bits, tokens, head_dim, residual)
+        for width in widths:
+            kept = kept_entries(fraction, width, tokens, head_dim, residual)
             if kept is not None:
-                out.append(Mix(fraction, bits, kept, tokens))
+                out.append(Mix(fraction, width, kept, tokens))
     return out
 
 
-def spec(policy: str, bits: int) -> str:
-    return policy if bits == 16 else f"{policy}:kv_bits={bits}"
+def spec(policy: str, width: Width) -> str:
+    """`policy` storing its kept entries at `width` (``snapkv:kv_bits=4``, ``snapkv:kv_codec=fp8``)."""
+    return ":".join([policy, *(f"{key}={value}" for key, value in storage(width).parameters().items())])
 
 
-def runs_for(head_dim: int, tokens: int) -> list[tuple[list[str], list[float]]]:
-    """Per width: the policies and rates whose cross product is every evicting mix of it; then quantization alone."""
-    runs = []
-    for bits in BITS:
-        rates = sorted({m.rate for m in mixes(head_dim, tokens) if m.bits == bits and not m.alone})
+def runs_for(head_dim: int, tokens: int, widths: tuple[Width, ...] = WIDTHS) -> list[tuple[list[str], list[float]]]:
+    """Per width: the policies and rates whose cross product is every evicting mix of it; then quantization alone
+    (the widths that fit a budget unevicted)."""
+    runs, alone = [], []
+    for width in widths:
+        own = mixes(head_dim, tokens, (width,))
+        rates = sorted({m.rate for m in own if not m.alone})
         if rates:
-            runs.append(([spec(p, bits) for p in POLICIES], rates))
-    return [*runs, ([spec(ALONE, bits) for bits in BITS[1:]], [0.0])]
+            runs.append(([spec(p, width) for p in POLICIES], rates))
+        if any(m.alone for m in own):
+            alone.append(spec(ALONE, width))
+    return [*runs, (alone, [0.0])] if alone else runs
 
 
-def cells_of(head_dim: int, tokens: int) -> list[tuple[Mix, str, str]]:
+def cells_of(head_dim: int, tokens: int, widths: tuple[Width, ...] = WIDTHS) -> list[tuple[Mix, str, str]]:
     """(mix, policy, spec) of every cell of the tables; quantization alone (`ALONE` at rate 0) fills a whole column."""
     out = []
-    for mix in mixes(head_dim, tokens):
+    for mix in mixes(head_dim, tokens, widths):
         policies = POLICIES if not mix.alone else ("quantization alone",)
-        out += [(mix, p, spec(ALONE if mix.alone else p, mix.bits)) for p in policies]
+        out += [(mix, p, spec(ALONE if mix.alone else p, mix.width)) for p in policies]
     return out
 
 
@@ -153,17 +175,19 @@ def budget_markdown(
     table: list[dict],
     cell: Callable[[dict], str],
     policies: tuple[str, ...] = POLICIES,
-    bits_options: tuple[int, ...] = BITS,
+    widths: tuple[Width, ...] | None = None,
 ) -> str:
-    """Rows (budget, policy), one column per width; a width that fits unevicted reads "alone: ..." in every row."""
+    """Rows (budget, policy), one column per width (default: the `WIDTHS` the rows hold); a width that fits unevicted
+    reads "alone: ..." in every row."""
     by_key = {(r["fraction"], r["bits"], r["policy"]): r for r in table}
-    header = ["budget", "policy", *(Mix(0, bits, 0, 1).label for bits in bits_options)]
+    widths = widths or tuple(w for w in WIDTHS if any(r["bits"] == w for r in table))
+    header = ["budget", "policy", *map(width_label, widths)]
     body = []
     for fraction in FRACTIONS:
         for policy in policies:
             cells = []
-            for bits in bits_options:
-                own, alone = by_key.get((fraction, bits, policy)), by_key.get((fraction, bits, "quantization alone"))
+            for width in widths:
+                own, alone = by_key.get((fraction, width, policy)), by_key.get((fraction, width, "quantization alone"))
                 row = own or alone
                 text = "" if row is None else f"{cell(row)} ({row['bytes_share']:.1%})"
                 cells.append(f"alone: {text}" if own is None and alone is not None else text)
@@ -172,12 +196,16 @@ def budget_markdown(
     return markdown_table(header, body) + "\n"
 
 
-def stage_ppl(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:
+def stage_ppl(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict:
+    """Both tables at `args.widths`. The composition compares with the same entries in bfloat16, from the
+    eviction-only run, so that run goes whatever the widths (`merge_ppl` checks its rows against the stored ones)."""
     head_dim, tokens = kv_geometry(model)[1], 1024
     documents = sample_documents(tokenizer, args.docs, 1024 + 512 + 1, names=essay_split()[1])
-    runs = runs_for(head_dim, tokens)
-    eviction_rates = runs[0][1]
-    runs += [([spec(p, bits) for p in COMPOSED], eviction_rates) for bits in BITS[1:]]
+    eviction_rates = sorted({m.rate for m in mixes(head_dim, tokens, (16,))})
+    encoded = [width for width in args.widths if width != 16]
+    widths = (16, *encoded)
+    runs = runs_for(head_dim, tokens, widths)
+    runs += [([spec(p, width) for p in COMPOSED], eviction_rates) for width in encoded]
     cells: dict[tuple[str, float], dict] = {}
     for policies, rates in runs:
         with progress_bar(f"perplexity: {', '.join(policies)}") as progress:
@@ -185,31 +213,57 @@ def stage_ppl(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dic
         cells |= {(p, r): result.row(p, r) | {"nll": result.nll[p, r]} for p in policies for r in rates}
     full_bytes = int(np.mean(result.kv_bytes_full))  # every run scores the same full cache
     table = []
-    for mix, policy, name in cells_of(head_dim, tokens):
+    for mix, policy, name in cells_of(head_dim, tokens, widths):
         row = cells[name, mix.rate]
-        where = {"fraction": mix.fraction, "bits": mix.bits, "policy": policy, "rate": mix.rate}
+        where = {"fraction": mix.fraction, "bits": mix.width, "policy": policy, "rate": mix.rate}
         table.append(
             where | {"delta_pct": row["delta_pct"], "ci95": row["ci95"], "bytes_share": row["kv_bytes"] / full_bytes}
         )
-    composed = composition(cells, eviction_rates, np.array(result.nll_full), result.tokens)
+    composed = composition(cells, encoded, eviction_rates, np.array(result.nll_full), result.tokens)
     report = {"setup": vars(args), "full_ppl": result.full_ppl, "full_kv_bytes": full_bytes, "rows": table}
-    report["composition"] = composed
-    markdown = budget_markdown(table, lambda r: f"{r['delta_pct']:+.2f}%")
-    markdown += f"\nPPL change against the full cache (PPL {result.full_ppl:.3f}, bfloat16), {args.docs} held-back "
-    markdown += "essays, prefix 1024, continuation 512; in brackets the bytes held as a share of the full cache\n\n"
-    return report, markdown + composition_markdown(composed)
+    return report | {"composition": composed}
 
 
-def composition(cells: dict, rates: list[float], full: np.ndarray, tokens: np.ndarray) -> list[dict]:
-    """Per policy, width and rate: the PPL change of the quantized cache against the same entries in 16 bits."""
+def ppl_markdown(report: dict) -> str:
+    """The ppl stage's two tables, from its report."""
+    markdown = budget_markdown(report["rows"], lambda r: f"{r['delta_pct']:+.2f}%")
+    markdown += f"\nPPL change against the full cache (PPL {report['full_ppl']:.3f}, bfloat16), "
+    markdown += f"{report['setup']['docs']} held-back essays, prefix 1024, continuation 512; in brackets the bytes "
+    markdown += "held as a share of the full cache\n\n"
+    return markdown + composition_markdown(report["composition"])
+
+
+def merge_ppl(old: dict, new: dict) -> dict:
+    """The `old` ppl report with the rows of `new`'s widths added or replaced. `new`'s other rows (the eviction-only
+    run the composition compares with) and its full-cache PPL must be `old`'s: the same essays, scored alike."""
+    widths = new["setup"]["widths"]
+    stored = {(r["fraction"], r["bits"], r["policy"]): r["delta_pct"] for r in old["rows"]}
+    again = [
+        (r["delta_pct"], stored[r["fraction"], r["bits"], r["policy"]]) for r in new["rows"] if r["bits"] not in widths
+    ]
+    if not all(math.isclose(a, b, rel_tol=1e-9) for a, b in [(new["full_ppl"], old["full_ppl"]), *again]):
+        raise SystemExit(f"the rerun cells differ from the stored ones (full PPL {new['full_ppl']}): nothing merged")
+    rows = [r for r in old["rows"] if r["bits"] not in widths] + [r for r in new["rows"] if r["bits"] in widths]
+    composed = [r for r in old["composition"] if r["bits"] not in widths] + new["composition"]
+    # stable sorts: the policies (rates) keep their order within a (budget, width) ((policy, width))
+    rows.sort(key=lambda r: (FRACTIONS.index(r["fraction"]), WIDTHS.index(r["bits"])))
+    composed.sort(key=lambda r: (COMPOSED.index(r["policy"]), WIDTHS.index(r["bits"])))
+    added = [*old.get("added", []), {"widths": widths, "seconds": new["seconds"]}]
+    return old | {"rows": rows, "composition": composed, "added": added}
+
+
+def composition(
+    cells: dict, widths: list[Width], rates: list[float], full: np.ndarray, tokens: np.ndarray
+) -> list[dict]:
+    """Per policy, width and rate: the PPL change of the encoded cache against the same entries in 16 bits."""
     out = []
     for policy in COMPOSED:
-        for bits in BITS[1:]:
+        for width in widths:
             for rate in rates:
-                quantized = np.array(cells[spec(policy, bits), rate]["nll"])
+                quantized = np.array(cells[spec(policy, width), rate]["nll"])
                 plain = np.array(cells[policy, rate]["nll"])
                 lo, hi = bootstrap_delta_ci(quantized, plain, tokens)
-                out.append({"policy": policy, "bits": bits, "rate": rate, "ci95": [lo, hi],
+                out.append({"policy": policy, "bits": width, "rate": rate, "ci95": [lo, hi],
                             "vs_16_bits": pooled_delta_pct(quantized, plain, tokens),
                             "vs_full": pooled_delta_pct(quantized, full, tokens)})  # fmt: skip
     return out
@@ -227,7 +281,7 @@ def composition_markdown(rows: list[dict]) -> str:
     return markdown_table(header, body) + "\n" + note
 
 
-def stage_tasks(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:
+def stage_tasks(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict:
     head_dim, tokens = kv_geometry(model)[1], args.length
     frames = []
     for suite, tasks in (("needles", ",".join(NEEDLES)), ("routing", "routing")):
@@ -244,39 +298,46 @@ def stage_tasks(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[d
         full = part[part["policy"] == "full"].iloc[0]
         for mix, policy, name in cells_of(head_dim, tokens):
             cell = part[(part["policy"] == name) & np.isclose(part["rate"], mix.rate)].iloc[0]
-            table.append({"suite": suite, "mode": mode, "fraction": mix.fraction, "bits": mix.bits, "policy": policy,
+            table.append({"suite": suite, "mode": mode, "fraction": mix.fraction, "bits": mix.width, "policy": policy,
                           "accuracy": cell["accuracy"], "gold_logprob": cell["mean_gold_logprob"],
                           "bytes_share": cell["mean_kv_bytes"] / full["mean_kv_bytes"],
                           "full_accuracy": full["accuracy"], "samples": int(cell["n"])})  # fmt: skip
-    report = {"setup": vars(args), "rows": table}
+    return {"setup": vars(args), "rows": table}
+
+
+def tasks_markdown(report: dict) -> str:
+    """The tasks stage: per suite and mode, accuracy (gold log-prob) per budget, policy and width."""
     markdown = ""
-    for (suite, mode), part in pd.DataFrame(table).groupby(["suite", "mode"], sort=False):
+    for (suite, mode), part in pd.DataFrame(report["rows"]).groupby(["suite", "mode"], sort=False):
         first = part.iloc[0]
         markdown += f"{suite}, {mode}: {first['samples']} samples, full cache accuracy {first['full_accuracy']:.2f}\n\n"
         markdown += budget_markdown(part.to_dict("records"), lambda r: f"{r['accuracy']:.2f} ({r['gold_logprob']:.1f})")
         markdown += "\n"
-    markdown += "accuracy (mean gold log-prob); in brackets the bytes held as a share of the full cache\n"
-    return report, markdown
+    return markdown + "accuracy (mean gold log-prob); in brackets the bytes held as a share of the full cache\n"
 
 
-def stage_stream(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:
+def reference_tokens(stream_tokens: int) -> int:
+    """The context the stream stage's budgets are fractions of (halved for --quick's short documents)."""
+    return 2048 // (1 if stream_tokens >= 4096 else 2)
+
+
+def stage_stream(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict:
     kv_heads, head_dim = kv_geometry(model)
     per_token = model.config.num_hidden_layers * kv_heads * make_codec(16).entry_bytes(head_dim, torch.bfloat16)
     documents = streaming_documents(tokenizer, args.stream_docs, args.stream_tokens, names=essay_split()[1])
-    scale = 1 if args.stream_tokens >= 4096 else 2
-    reference = 2048 // scale  # the context the budgets are fractions of
+    reference = reference_tokens(args.stream_tokens)
     budgets = {
-        (fraction, bits): kept
+        (fraction, width): kept
         for fraction in FRACTIONS
-        for bits in BITS
-        if (kept := kept_entries(fraction, bits, reference, head_dim)) is not None
+        for width in WIDTHS
+        if (kept := kept_entries(fraction, width, reference, head_dim)) is not None
     }
     table = []
-    for bits in BITS:
-        sizes = sorted({kept for (_, b), kept in budgets.items() if b == bits and kept < args.stream_tokens})
-        with progress_bar(f"streaming, {bits} bits") as progress:
+    for width in WIDTHS:
+        sizes = sorted({kept for (_, w), kept in budgets.items() if w == width and kept < args.stream_tokens})
+        with progress_bar(f"streaming, {width_label(width)}") as progress:
             result = run_streaming(
-                LocalRunner(model), documents, [spec(p, bits) for p in POLICIES], sizes, progress=progress
+                LocalRunner(model), documents, [spec(p, width) for p in POLICIES], sizes, progress=progress
             )
         full_nll = np.stack(next(r for r in result.runs if r.budget is None).nll)
         for run in (r for r in result.runs if r.budget is not None):
@@ -284,15 +345,20 @@ def stage_stream(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[
             delta = 100 * (math.exp((np.nansum(ours) - np.nansum(full_nll[:, args.stream_from :])) / ours.size) - 1)
             share = run.peak.nbytes / (reference * per_token)
             # budgets that hold the whole reference context share one run
-            for fraction in (f for (f, b), kept in budgets.items() if b == bits and kept == run.budget):
-                table.append({"fraction": fraction, "bits": bits, "policy": run.name.split(":")[0],
+            for fraction in (f for (f, w), kept in budgets.items() if w == width and kept == run.budget):
+                table.append({"fraction": fraction, "bits": width, "policy": run.name.split(":")[0],
                               "budget": run.budget, "delta_pct": delta, "bytes_share": share})  # fmt: skip
-    report = {"setup": vars(args), "rows": table}
-    markdown = budget_markdown(table, lambda r: f"{r['delta_pct']:+.1f}%")
-    markdown += f"\nstreaming PPL change against the full cache, bfloat16; {args.stream_docs} held-back essays of "
-    markdown += f"{args.stream_tokens} tokens fed 64 at a time, every run scored on the tokens after the first "
-    markdown += f"{args.stream_from}; in brackets the most bytes held, as a share of a {reference}-token cache\n"
-    return report, markdown
+    return {"setup": vars(args), "rows": table}
+
+
+def stream_markdown(report: dict) -> str:
+    """The stream stage: streaming PPL change per budget, policy and width."""
+    setup = report["setup"]
+    markdown = budget_markdown(report["rows"], lambda r: f"{r['delta_pct']:+.1f}%")
+    markdown += f"\nstreaming PPL change against the full cache, bfloat16; {setup['stream_docs']} held-back essays of "
+    markdown += f"{setup['stream_tokens']} tokens fed 64 at a time, every run scored on the tokens after the first "
+    markdown += f"{setup['stream_from']}; in brackets the most bytes held, as a share of a "
+    return markdown + f"{reference_tokens(setup['stream_tokens'])}-token cache\n"
 
 
 def kvpress_contenders(library: str, bits: int) -> dict[str, str]:
@@ -302,7 +368,7 @@ def kvpress_contenders(library: str, bits: int) -> dict[str, str]:
     return {f"kvpress:{press}": f"kvpress:{press}" + ("" if bits == 16 else f":kv_bits={bits}") for press in PRESSES}
 
 
-def stage_kvpress(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple[dict, str]:
+def stage_kvpress(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict:
     """kvpress's presses over its quantized cache next to kvsieve's policies, at the same bytes (perplexity).
 
     kvpress holds every kept entry quantized after its prefill (no full-precision residual), so the same bytes
@@ -316,7 +382,7 @@ def stage_kvpress(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple
     table = []
     for bits in KVPRESS_BITS:
         for library, plan in plans.items():
-            todo = [mix for mix in plan if mix.bits == bits]  # rate 0 where the bytes need no eviction
+            todo = [mix for mix in plan if mix.width == bits]  # rate 0 where the bytes need no eviction
             names = kvpress_contenders(library, bits)
             with progress_bar(f"perplexity, {library}, {bits} bits") as progress:
                 result = run_ppl(
@@ -333,36 +399,62 @@ def stage_kvpress(model: Any, tokenizer: Any, args: argparse.Namespace) -> tuple
                     table.append({"fraction": mix.fraction, "bits": bits, "policy": policy, "rate": mix.rate,
                                   "delta_pct": row["delta_pct"], "ci95": row["ci95"],
                                   "bytes_share": row["kv_bytes"] / full_bytes})  # fmt: skip
-    report = {"setup": vars(args), "full_ppl": result.full_ppl, "rows": table}
-    markdown = budget_markdown(table, lambda r: f"{r['delta_pct']:+.2f}%", KVPRESS_ROWS, KVPRESS_BITS)
-    markdown += f"\nPPL change against the full cache (PPL {result.full_ppl:.3f}, bfloat16), {args.docs} held-back "
-    markdown += "essays, prefix 1024, continuation 512; in brackets the bytes held as a share of the full cache. "
+    return {"setup": vars(args), "full_ppl": result.full_ppl, "rows": table}
+
+
+def kvpress_markdown(report: dict) -> str:
+    """The kvpress stage: kvpress's presses over its quantized cache beside kvsieve's policies, per budget."""
+    markdown = budget_markdown(report["rows"], lambda r: f"{r['delta_pct']:+.2f}%", KVPRESS_ROWS, KVPRESS_BITS)
+    markdown += f"\nPPL change against the full cache (PPL {report['full_ppl']:.3f}, bfloat16), "
+    markdown += f"{report['setup']['docs']} held-back essays, prefix 1024, continuation 512; in brackets the bytes "
+    markdown += "held as a share of the full cache. "
     markdown += "kvpress: its presses over transformers' quantized cache (optimum-quanto, one scale and shift per "
     markdown += "32 channels, every kept entry quantized after the prefill), its kept counts from the same bytes\n"
-    return report, markdown
+    return markdown
 
 
-STAGES = {"ppl": stage_ppl, "tasks": stage_tasks, "stream": stage_stream, "kvpress": stage_kvpress}
+# What each stage writes: quantized_eviction_<stage>.{json,md} (with --quick: quantized_eviction_<stage>_quick).
+PPL = Output("quantized_eviction_ppl*", {"": ppl_markdown})
+TASKS = Output("quantized_eviction_tasks*", {"": tasks_markdown})
+STREAM = Output("quantized_eviction_stream*", {"": stream_markdown})
+KVPRESS = Output("quantized_eviction_kvpress*", {"": kvpress_markdown})
+STAGES = {"ppl": (stage_ppl, PPL), "tasks": (stage_tasks, TASKS), "stream": (stage_stream, STREAM)}
+STAGES |= {"kvpress": (stage_kvpress, KVPRESS)}
+
+
+def parse_widths(text: str) -> tuple[Width, ...]:
+    """``8,fp8`` -> (8, "fp8"), in the order of `WIDTHS`."""
+    given = {int(item) if item.isdigit() else item for item in text.split(",") if item}
+    if not given or not given <= set(WIDTHS):
+        raise argparse.ArgumentTypeError(f"widths are some of {','.join(map(str, WIDTHS))}, got {text!r}")
+    return tuple(width for width in WIDTHS if width in given)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", default=",".join(STAGES))
     parser.add_argument("--quick", action="store_true", help="tiny sizes, to check the script")
+    parser.add_argument(
+        "--widths", type=parse_widths, default=WIDTHS, help="ppl only: run these widths, merge into its results"
+    )
     args = parser.parse_args()
+    merging = args.widths != WIDTHS
+    if merging and args.stages != "ppl":
+        parser.error("--widths merges into the ppl stage's results: give --stages ppl")
     for key, value in (QUICK if args.quick else FULL_RUN).items():
         setattr(args, key, value)
     model, tokenizer = kvsieve.load_model(dtype=torch.bfloat16)
-    RESULTS.mkdir(exist_ok=True)
     for stage in args.stages.split(","):
+        run, output = STAGES[stage]
         start = time.perf_counter()
-        report, markdown = STAGES[stage](model, tokenizer, args)
+        report = run(model, tokenizer, args)
         report["seconds"] = time.perf_counter() - start
-        console.print(markdown)
         stem = f"quantized_eviction_{stage}" + ("_quick" if args.quick else "")
-        (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2, default=float) + "\n")
-        (RESULTS / f"{stem}.md").write_text(markdown)
-        console.print(f"{stage}: {report['seconds']:.0f} s; wrote {RESULTS / stem}.json")
+        if merging:
+            report = merge_ppl(json.loads((RESULTS / f"{stem}.json").read_text()), report)
+        path = output.write(report, stem)
+        console.print(path.with_suffix(".md").read_text())
+        console.print(f"{stage}: {time.perf_counter() - start:.0f} s; wrote {path}")
 
 
 if __name__ == "__main__":

@@ -19,12 +19,10 @@ Medians over repeats, in microseconds, and the ratio to `gather+sdpa`.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +30,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvsieve.harness.report import markdown_table
+from results_io import Output
 
-RESULTS = Path(__file__).parent / "results"
 # (name, kv-heads, query heads per kv-head, head_dim, context, rows)
 SHAPES = [
     ("default, 2k, batch 1", 3, 3, 64, 2048, 1),  # SmolLM2-135M: 3 kv-heads x 3 query heads, head_dim 64
@@ -132,6 +130,9 @@ def markdown(report: dict) -> str:
     return markdown_table(header, body) + "\n"
 
 
+TABLE = Output("ragged_attention", {"": markdown})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=200)
@@ -156,11 +157,7 @@ def main() -> None:
         cells = [f"{times[label]:.0f} us ({times[label] / base:.2f}x)" for label in fns]
         table.add_row(name, str(rows * heads), *cells)
     console.print(table)
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "ragged_attention.json"
-    path.write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows_out}, indent=2))
-    path.with_suffix(".md").write_text(markdown({"threads": torch.get_num_threads(), "rows": rows_out}))
-    console.print(f"wrote {path}")
+    console.print(f"wrote {TABLE.write({'threads': torch.get_num_threads(), 'rows': rows_out})}")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,16 @@
-"""Rewrite the generated tables of docs/benchmarks.md from benchmarks/results/*.md.
+"""Render benchmarks/results/*.md from their JSON, then the generated tables of docs/benchmarks.md from those.
 
-Every table of the doc that a benchmark produces sits between two marker lines, with one blank
-line on each side of its text:
+Every benchmark writes a JSON report and the Markdown rendered from it alone, through the `Output`s it
+declares (benchmarks/results_io.py); this script renders that Markdown again from the JSON, so a changed
+renderer needs no rerun. Every table of the doc sits between two marker lines, with one blank line on each
+side of its text:
 
     <!-- results: NAME.md -->      the whole of benchmarks/results/NAME.md
     <!-- results: NAME.md#K -->    its K-th table (from 1) and the caption paragraph right after it
     <!-- end results -->
 
-The benchmarks write NAME.md next to their JSON; this script copies them into the doc. Prose
-stays outside the markers and is never touched. With --check nothing is written: it lists the
-stale regions and exits 1 when there are any (tests/test_docs.py runs the same check).
+Prose stays outside the markers and is never touched. With --check nothing is written: it lists the stale
+results files and regions and exits 1 when there are any (tests/test_docs.py runs the same checks).
 
     python benchmarks/render_docs.py [--check]
 """
@@ -17,13 +18,17 @@ stale regions and exits 1 when there are any (tests/test_docs.py runs the same c
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "benchmarks.md"
-RESULTS = ROOT / "benchmarks" / "results"
+from results_io import RESULTS, Output
+
+HERE = Path(__file__).resolve().parent
+DOC = HERE.parent / "docs" / "benchmarks.md"
+#: The modules of this folder that are not benchmarks.
+HELPERS = ("render_docs", "results_io")
 START = re.compile(r"<!-- results: (?P<name>[\w.-]+\.md)(?:#(?P<table>\d+))? -->")
 END = "<!-- end results -->"
 
@@ -107,23 +112,53 @@ def check(doc: Path = DOC, results: Path = RESULTS) -> list[str]:
     return render(doc.read_text(), results)[2]
 
 
+def outputs() -> dict[str, list[Output]]:
+    """Each benchmark of this folder, by script name, and the outputs it declares (its module-level `Output`s).
+
+    The scripts are imported as top-level modules: this folder must be on `sys.path` (it is when a script runs).
+    """
+    found = {}
+    for path in sorted(HERE.glob("*.py")):
+        if path.stem not in HELPERS:
+            module = importlib.import_module(path.stem)
+            found[path.stem] = [value for value in vars(module).values() if isinstance(value, Output)]
+    return found
+
+
+def stale_results(declared: dict[str, list[Output]], results: Path = RESULTS) -> dict[Path, str]:
+    """Every Markdown results file that differs from rendering its JSON (or is missing), with the rendered text."""
+    stale = {}
+    for output in (output for found in declared.values() for output in found):
+        for stem in output.stems(results):
+            for path, text in output.rendered(stem, results).items():
+                if not path.is_file() or path.read_text() != text:
+                    stale[path] = text
+    return stale
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Rewrite the doc's regions (or only check them); print what was done; 1 when --check finds stale ones."""
+    """Render the results files, then the doc's regions (or only check both); 1 when --check finds stale ones."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when a region is stale")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when anything is stale")
     parser.add_argument("--doc", type=Path, default=DOC)
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    files = stale_results(outputs(), args.results)
+    for path, text in files.items():
+        print(f"{path.name}: {'stale' if args.check else 're-rendered'} (not what its JSON renders to)")
+        if not args.check:
+            path.write_text(text)
     text, labels, stale = render(args.doc.read_text(), args.results)
     for label in labels:
         state = "stale" if label in stale and args.check else "rewritten" if label in stale else "up to date"
         print(f"{label}: {state}")
     if args.check:
-        print(f"{args.doc}: {len(stale)} of {len(labels)} regions stale" + (", run render_docs.py" if stale else ""))
-        return 1 if stale else 0
+        advice = ", run render_docs.py" if files or stale else ""
+        print(f"{len(files)} results files stale; {args.doc}: {len(stale)} of {len(labels)} regions stale{advice}")
+        return 1 if files or stale else 0
     if stale:
         args.doc.write_text(text)
-    print(f"{args.doc}: {len(stale)} of {len(labels)} regions rewritten")
+    print(f"{len(files)} results files re-rendered; {args.doc}: {len(stale)} of {len(labels)} regions rewritten")
     return 0
 
 

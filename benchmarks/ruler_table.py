@@ -29,10 +29,9 @@ from kvsieve.harness.report import markdown_table
 from kvsieve.harness.report.figures import plot_accuracy_vs_rate, plot_hallucination_vs_ger
 from kvsieve.harness.report.html import write_report
 from kvsieve.harness.runners import LocalRunner
+from results_io import RESULTS, Output
 
-ROOT = Path(__file__).parent
-RESULTS = ROOT / "results"
-RAW = ROOT.parent / "results" / "ruler_table"
+RAW = Path(__file__).parent.parent / "results" / "ruler_table"
 
 
 def task_table(rows: pd.DataFrame) -> pd.DataFrame:
@@ -48,7 +47,9 @@ def task_table(rows: pd.DataFrame) -> pd.DataFrame:
     return table.reset_index(drop=True)
 
 
-def markdown(table: pd.DataFrame) -> str:
+def markdown(report: dict) -> str:
+    """The summary's table: accuracy (%) per (mode, policy, rate) and task, and the mean over tasks."""
+    table = pd.DataFrame(report["table"])
     header = [str(c) for c in table.columns]
     body = [
         [
@@ -57,7 +58,11 @@ def markdown(table: pd.DataFrame) -> str:
         ]
         for row in table.itertuples(index=False)
     ]
-    return markdown_table(header, body)
+    return markdown_table(header, body) + "\n"
+
+
+#: ruler_table_<suite>: the summary, its table, and two figures (accuracy by rate; hallucination against GER).
+TABLE = Output("ruler_table_*", {"": markdown}, extras=(".png", "_ger.png"))
 
 
 def run_suite(model, tokenizer, suite: str, length: int, modes: tuple[str, ...], args, console: Console) -> None:
@@ -82,7 +87,6 @@ def run_suite(model, tokenizer, suite: str, length: int, modes: tuple[str, ...],
     table = task_table(rows)
     console.print(f"[bold]{suite}[/bold]: accuracy (%) at {length} tokens, {args.samples} samples per task")
     console.print(table.round(1).to_string(index=False))
-    (RESULTS / f"ruler_table_{suite}.md").write_text(markdown(table) + "\n")
     halluc = hallucination_vs_ger(rows)
     summary = {
         "suite": suite,
@@ -99,7 +103,7 @@ def run_suite(model, tokenizer, suite: str, length: int, modes: tuple[str, ...],
             "configurations": float(rows["seconds"].sum()),
         },
     }
-    (RESULTS / f"ruler_table_{suite}.json").write_text(json.dumps(summary, indent=2))
+    TABLE.write(summary, f"ruler_table_{suite}")
     plot_accuracy_vs_rate(accuracy_by_rate(rows), RESULTS / f"ruler_table_{suite}.png", title=f"{suite} at {length}")
     plot_hallucination_vs_ger(halluc["points"], halluc["r_points"], RESULTS / f"ruler_table_{suite}_ger.png")
     console.print(f"hallucination vs GER: r_points={halluc['r_points']:.3f}, r_samples={halluc['r_samples']:.3f}")

@@ -15,10 +15,8 @@ entries per head, and ms per token. Writes results/streaming_ppl.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,9 +35,9 @@ from kvsieve.harness.eval.streaming import (
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table, plot_stream_ppl, stream_markdown
 from kvsieve.harness.runners import LocalRunner
-from kvsieve.runtime.growth import DEFAULT_BUFFER
+from kvsieve.runtime.eviction.growth import DEFAULT_BUFFER
+from results_io import Output
 
-RESULTS = Path(__file__).parent / "results"
 #: kvpress's presses run at these budgets only (the comparison, not the sweep).
 PRESS_BUDGETS = (512, 2048)
 #: Documents of the full run (one batch of 2 rows), chosen from the measured speed so it stays within an hour.
@@ -151,6 +149,15 @@ def summary_markdown(report: dict[str, Any]) -> str:
     return f"{budget_markdown(report)}\n\n{side_by_side_markdown(report)}\n"
 
 
+def markdown(report: dict[str, Any]) -> str:
+    """Markdown: the whole table (PPL per bucket, bytes, entries, ms/token), then the seconds per document."""
+    return f"{stream_markdown(report)}\n{seconds_table(report)}\n"
+
+
+#: streaming_ppl (with --quick: streaming_ppl_quick), its summary and its plot.
+TABLE = Output("streaming_ppl*", {"": markdown, "_summary": summary_markdown}, extras=(".png",))
+
+
 def main() -> None:
     args = arguments()
     model, tokenizer = kvsieve.load_model()
@@ -178,15 +185,10 @@ def main() -> None:
         "wall_seconds": time.perf_counter() - start,
         "size": SIZE,
     }
-    stem = RESULTS / ("streaming_ppl_quick" if args.quick else "streaming_ppl")
-    markdown = f"{stream_markdown(report)}\n{seconds_table(report)}\n"
-    print(markdown)
-    RESULTS.mkdir(exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    stem.with_suffix(".md").write_text(markdown)
-    stem.with_name(f"{stem.name}_summary.md").write_text(summary_markdown(report))
-    plot_stream_ppl(report, stem.with_suffix(".png"))
-    print(f"wrote {stem}.json, .md, .png in {report['setup']['wall_seconds']:.0f} s")
+    print(markdown(report))
+    path = TABLE.write(report, "streaming_ppl_quick" if args.quick else "streaming_ppl")
+    plot_stream_ppl(report, path.with_suffix(".png"))
+    print(f"wrote {path}, .md, .png in {report['setup']['wall_seconds']:.0f} s")
 
 
 if __name__ == "__main__":

@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import os
 import pstats
 import time
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -36,17 +34,16 @@ from kvsieve.harness.eval.sweep import run_sweep
 from kvsieve.harness.models import ModelChoice
 from kvsieve.harness.report import markdown_table
 from kvsieve.harness.runners import LocalRunner, Runner
-from kvsieve.harness.runners.ray_runner import RayRunner
+from results_io import Output
 
-RESULTS = Path(__file__).parent / "results"
 POLICIES = "snapkv,expected,importance,h2o,tova,knorm,streaming,random"
 RATES = [0.25, 0.5, 0.75, 0.9]
 ONCE, REPREFILL = "here, prefill once", "here, re-prefill (as kvpress must)"
 #: Profiled stages: (label, file suffix, function), cumulative seconds (a stage holds what it calls)...
 STAGES = [
-    ("prefill (observed, once per sample)", "runtime/prefill.py", "observe_prefill"),
+    ("prefill (observed, once per sample)", "runtime/observing/prefill.py", "observe_prefill"),
     ("scoring and selection", "selection/policy.py", "select"),
-    ("copying the kept entries into the rows' cache", "runtime/evictions.py", "evictions"),
+    ("copying the kept entries into the rows' cache", "runtime/api/evictions.py", "evictions"),
     ("forking the cache for the gold answer", "eval/respond.py", "fork"),
     ("the question and gold answer, teacher-forced", "eval/respond.py", "feed"),
     ("generating the answer (padded batch)", "generation/utils.py", "generate"),
@@ -73,6 +70,9 @@ def _median(values: list[float]) -> float:
 
 def ray_sweep(samples: list, workers: int, want: pd.DataFrame) -> tuple[float, float]:
     """(start seconds, sweep seconds) on a fresh local Ray cluster with `workers` replicas sharing the cores."""
+    # the ray extra, imported here so that the script imports without it (tests/test_docs.py imports every script)
+    from kvsieve.harness.runners.ray_runner import RayRunner
+
     start = time.perf_counter()
     with RayRunner(ModelChoice(), workers=workers, cpus_per_worker=os.cpu_count() // workers) as runner:
         started = time.perf_counter() - start
@@ -108,9 +108,11 @@ def markdown(report: dict) -> str:
     header = ["sweep", "configurations", "seconds", "start s", "configurations / min", "speed-up"]
     stages = report["profile"]
     rows = [[label, f"{seconds:.3f}", f"{seconds / stages['total']:.0%}"] for label, seconds in stages.items()]
-    return "\n\n".join(
-        [markdown_table(header, body), markdown_table(["stage (cProfile)", "s per configuration", "share"], rows)]
-    )
+    profile = markdown_table(["stage (cProfile)", "s per configuration", "share"], rows)
+    return markdown_table(header, body) + "\n\n" + profile + "\n"
+
+
+TABLE = Output("sweep_throughput", {"": markdown})
 
 
 def main() -> None:
@@ -158,10 +160,7 @@ def main() -> None:
         "profile": profile(here, samples[0]),
     }
     Console().print(markdown(report))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "sweep_throughput.json").write_text(json.dumps(report, indent=2))
-    (RESULTS / "sweep_throughput.md").write_text(markdown(report) + "\n")
-    print(f"wrote {RESULTS / 'sweep_throughput.json'}")
+    print(f"wrote {TABLE.write(report)}")
 
 
 if __name__ == "__main__":

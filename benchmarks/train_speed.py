@@ -18,7 +18,6 @@ tokens: the time of a step does not depend on the weights, and no hub is reachab
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
@@ -34,10 +33,9 @@ from kvsieve.harness.report import markdown_table
 from kvsieve.harness.training.data import training_data
 from kvsieve.harness.training.retention import RetentionTape
 from kvsieve.harness.training.train import TrainConfig, loss_positions, train_step
-from kvsieve.selection.gates import RetentionGates, gate_shape
-from kvsieve.selection.rotary import find_rotary
-
-RESULTS = Path(__file__).parent / "results"
+from kvsieve.modeling.gates import RetentionGates, gate_shape
+from kvsieve.modeling.rotary import find_rotary
+from results_io import Output
 
 #: Real models' dimensions for `--shape` (Llama-3.2-1B and Llama-3-8B: hidden, MLP, layers, q heads, kv heads).
 SHAPES = {"llama-3.2-1b": (2048, 8192, 16, 32, 8), "llama-3-8b": (4096, 14336, 32, 32, 8)}
@@ -172,6 +170,10 @@ def markdown(report: dict) -> str:
     return markdown_table(header, body) + "\n"
 
 
+#: train_speed[_<model>][_<device>_<dtype>][_<seq_len>]: the parts that differ from the default run.
+TABLE = Output("train_speed*", {"": markdown})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default, gemma3-270m, a path or an HF id")
@@ -188,10 +190,7 @@ def main() -> None:
     stem = "train_speed" if model is None else f"train_speed_{model.replace('-', '_').replace('.', '_')}"
     stem += "" if (args.device, args.dtype) == ("cpu", "float32") else f"_{args.device}_{args.dtype}"
     stem += "" if args.seq_len == TrainConfig.seq_len else f"_{args.seq_len}"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / f"{stem}.md").write_text(markdown(report))
-    console.print(f"wrote {RESULTS / stem}.json")
+    console.print(f"wrote {TABLE.write(report, stem)}")
 
 
 if __name__ == "__main__":

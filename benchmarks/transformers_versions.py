@@ -17,9 +17,9 @@ from pathlib import Path
 
 from kvsieve.harness.progress import console
 from kvsieve.harness.report import markdown_table
+from results_io import RESULTS, Output
 
 HERE = Path(__file__).parent
-RESULTS = HERE / "results"
 
 
 def run_in(env: Path, script: str, *args: str) -> dict:
@@ -58,6 +58,9 @@ def markdown(report: dict) -> str:
     return markdown_table(header, body) + "\n"
 
 
+TABLE = Output("transformers_versions", {"": markdown})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--envs", default=".venv,.venv-compare", help="virtual environments, comma-separated")
@@ -72,9 +75,7 @@ def main() -> None:
         rows += rows_of(imports, decode)
     report = {"steps": int(args.steps), "import_repeats": int(args.repeats), "rows": rows}
     console.print(markdown(report))
-    (RESULTS / "transformers_versions.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / "transformers_versions.md").write_text(markdown(report))
-    console.print(f"wrote {RESULTS / 'transformers_versions.json'}")
+    console.print(f"wrote {TABLE.write(report)}")
 
 
 if __name__ == "__main__":

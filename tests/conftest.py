@@ -31,7 +31,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from kvsieve.runtime.codecs import EntryCodec
+from kvsieve.runtime.storage.codecs import EntryCodec
 from tokenizer import VOCAB_SIZE, tiny_tokenizer
 
 REFERENCE_ATTENTION = "kvsieve_test_masked_reference"

@@ -7,7 +7,7 @@ import torch
 
 import kvsieve
 from conftest import tiny_llama
-from kvsieve.runtime.segments import BLOCK
+from kvsieve.runtime.storage.segments import BLOCK
 from kvsieve.selection.allocators import (
     ALLOCATORS,
     Adaptive,

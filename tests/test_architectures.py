@@ -10,9 +10,9 @@ from conftest import FAMILIES, tiny_family, tiny_gemma3, tiny_llama
 from kvsieve.harness.training.data import TrainingData
 from kvsieve.harness.training.retention import RetentionTape
 from kvsieve.harness.training.train import TrainConfig, train_gates, train_step
+from kvsieve.modeling.gates import RetentionGates, gate_shape
+from kvsieve.modeling.rotary import find_rotary
 from kvsieve.selection.checkpoint import GateCheckpointError, load_gates
-from kvsieve.selection.gates import RetentionGates, gate_shape
-from kvsieve.selection.rotary import find_rotary
 
 SEQ = 64
 CONFIG = TrainConfig(capacity=8, steps=10, seq_len=SEQ, lr=5e-2, width=8, bias_init=4.0, save_every=10)

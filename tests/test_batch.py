@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvsieve
-from kvsieve.runtime.evictions import Eviction, evictions
+from kvsieve.runtime.api.evictions import Eviction, evictions
 from kvsieve.selection.allocators import ALLOCATORS
 from specs import SCORER_SPECS
 

@@ -10,7 +10,7 @@ import torch
 
 import kvsieve
 from conftest import tiny_llama
-from kvsieve.runtime.segments import BLOCK, PAD_POSITION, Segments
+from kvsieve.runtime.storage.segments import BLOCK, PAD_POSITION, Segments
 from kvsieve.selection.allocators import ALLOCATORS
 from kvsieve.selection.budget import evicted_count
 from specs import SCORER_SPECS
@@ -166,7 +166,7 @@ def test_segments_append_grow_and_pad():
 @torch.no_grad()
 def test_layouts_handed_to_attention_do_not_outlive_their_tensors(model, ids):
     """Nothing keeps the padded tensors of past forwards alive (the scope's layout table holds them weakly)."""
-    from kvsieve.runtime.layout import active_scope
+    from kvsieve.runtime.storage.layout import active_scope
 
     cache = kvsieve.compress(model, ids[:, :100], "snapkv+adaptive", 0.5)
     with kvsieve.sieve_attention(model):

@@ -18,7 +18,6 @@ from transformers import DynamicCache
 
 import kvsieve
 from conftest import tiny_llama
-from kvsieve.runtime.cache import SievedLayer
 from kvsieve.runtime.compat import (
     NEWEST,
     OLDEST,
@@ -29,6 +28,7 @@ from kvsieve.runtime.compat import (
     cache_keyword,
     check_transformers_version,
 )
+from kvsieve.runtime.storage.cache import SievedLayer
 from tokenizer import VOCAB_SIZE, tiny_tokenizer
 
 INSTALLED = Version(transformers.__version__)

@@ -1,4 +1,5 @@
-"""Every registered scorer, allocator, projection, budget and codec against its protocol.
+"""Every registered scorer (and the query measures it declares), allocator, projection, budget and codec against
+its protocol.
 
 No type checker runs over the package, so these tests hold each implementation to the members its protocol
 declares: every attribute present, every method with the protocol's parameter names in order; and the
@@ -13,14 +14,15 @@ from typing import Any
 import pytest
 import torch
 
-from kvsieve.runtime.codecs import FULL_PRECISION, EntryCodec, make_codec
+from kvsieve.runtime.storage.codecs import CODECS, FULL_PRECISION, EntryCodec, codec_for
 from kvsieve.selection.allocators import ALLOCATORS, Allocator
 from kvsieve.selection.budget import Budget, MaxBytes, MaxTokens, Rate
-from kvsieve.selection.observation import Needs
+from kvsieve.selection.observation import Needs, QueryMeasure
 from kvsieve.selection.projection import PROJECTIONS, Projection
 from kvsieve.selection.scorers import SCORERS
 from kvsieve.selection.scorers.base import Scorer
 from kvsieve.selection.spec import make_policy
+from kvsieve.selection.storage import Storage
 
 PROTOCOL_NOISE = {"_is_protocol", "_is_runtime_protocol", "__protocol_attrs__", "__non_callable_proto_members__"}
 
@@ -54,6 +56,9 @@ def test_every_scorer_conforms(name):
     scorer = make_policy(name).scorer
     assert_conforms(scorer, Scorer)
     assert scorer.name == name and isinstance(scorer.needs, Needs) and isinstance(scorer.calibrated, bool)
+    for measure in scorer.needs.window_measures:  # the inputs a scorer declares in its own file
+        assert_conforms(measure, QueryMeasure)
+        assert isinstance(measure.name, str) and isinstance(measure.reads_output, bool)
 
 
 @pytest.mark.parametrize("name", sorted(ALLOCATORS))
@@ -75,11 +80,20 @@ def test_every_budget_conforms(budget):
     assert_conforms(budget, Budget)
 
 
-@pytest.mark.parametrize("bits", [16, 8, 4, 2])
+#: A storage of every registered codec (integer codes at every width).
+STORAGES = [Storage(), Storage(8), Storage(4), Storage(2), Storage(kv_codec="fp8")]
+
+
+def test_every_registered_codec_is_checked():
+    assert {storage.codec_name for storage in STORAGES} == set(CODECS)
+
+
+@pytest.mark.parametrize("storage", STORAGES, ids=lambda s: f"{s.codec_name}{s.kv_bits}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_codec_conforms_and_stores_what_it_counts(bits, dtype):
-    """`entry_bytes` is the bytes `encode` really makes per entry; `decode` gives back the shapes and dtype."""
-    codec = make_codec(bits, head_dim=64)
+def test_every_codec_conforms_and_stores_what_it_counts(storage, dtype):
+    """`entry_bytes` is the bytes `encode` really makes per entry; `decode` gives back the shapes and dtype, exactly
+    where the codec says it is lossless."""
+    codec = codec_for(storage, head_dim=64)
     assert_conforms(codec, EntryCodec)
     keys, values = torch.randn(2, 3, 5, 64, dtype=dtype), torch.randn(2, 3, 5, 64, dtype=dtype)
     buffers = codec.encode(keys, values)
@@ -88,4 +102,6 @@ def test_every_codec_conforms_and_stores_what_it_counts(bits, dtype):
     assert all(b.shape[:-1] == keys.shape[:-1] for b in buffers), "buffers are row-aligned, one row per entry"
     decoded = codec.decode(buffers, dtype)
     assert [d.shape for d in decoded] == [keys.shape, values.shape] and decoded[0].dtype == dtype
-    assert (codec is FULL_PRECISION) == (bits == 16)
+    assert (codec is FULL_PRECISION) == (storage == Storage())
+    exact = torch.equal(decoded[0], keys) and torch.equal(decoded[1], values)
+    assert codec.lossless == exact and (codec.residual == 0) == codec.lossless

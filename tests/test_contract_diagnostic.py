@@ -20,8 +20,8 @@ from kvsieve.harness.eval.methods import Case, reseeded
 from kvsieve.harness.eval.routing import survival_from_cache
 from kvsieve.harness.eval.sweep import sample_key
 from kvsieve.harness.runners import LocalRunner
-from kvsieve.runtime.evictions import Eviction, evictions
-from kvsieve.runtime.prefill import observe_prefill
+from kvsieve.runtime.api.evictions import Eviction, evictions
+from kvsieve.runtime.observing.prefill import observe_prefill
 from kvsieve.selection.observation import Needs
 from kvsieve.selection.scorers import CAOTEScorer, ImportanceScorer
 from kvsieve.selection.spec import make_policy

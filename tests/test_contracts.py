@@ -17,7 +17,7 @@ from transformers.utils import logging as hf_logging
 
 import kvsieve
 from conftest import tiny_llama
-from kvsieve.runtime.cache import SievedLayer
+from kvsieve.runtime.storage.cache import SievedLayer
 from kvsieve.selection.policy import Policy
 
 TESTS = Path(__file__).parent

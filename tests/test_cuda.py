@@ -13,10 +13,11 @@ from conftest import tiny_llama
 from kvsieve.harness.cli import app
 from kvsieve.harness.models import load_model
 from kvsieve.harness.training.retention import decayed_attention, masked_decayed_attention
-from kvsieve.runtime.codecs import Quantized
-from kvsieve.runtime.kernels import VARLEN_ARGUMENTS, reference_attention, varlen_attention, varlen_available
-from kvsieve.runtime.segments import Segments
+from kvsieve.runtime.attention.kernels import VARLEN_ARGUMENTS, reference_attention, varlen_attention, varlen_available
+from kvsieve.runtime.storage.codecs import codec_for
+from kvsieve.runtime.storage.segments import Segments
 from kvsieve.selection.checkpoint import read_gates
+from kvsieve.selection.storage import Storage
 from test_corpus import write_corpus
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none in CI)")
@@ -45,7 +46,7 @@ def test_varlen_kernel_equals_the_reference_on_grid_and_packed_storage(dtype):
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
-@pytest.mark.parametrize("spec", ["snapkv", "snapkv+adaptive", "importance+global"])
+@pytest.mark.parametrize("spec", ["snapkv", "snapkv+adaptive", "importance+global", "dropkv+adaptive"])
 @torch.no_grad()
 def test_compressed_decoding_on_cuda_equals_the_masked_reference(masked_reference, dtype, atol, spec):
     model = tiny_llama(seed=3).cuda().to(dtype)
@@ -61,17 +62,17 @@ def test_compressed_decoding_on_cuda_equals_the_masked_reference(masked_referenc
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
-@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("storage", [{"kv_bits": 8}, {"kv_bits": 4}, {"kv_bits": 2}, {"kv_codec": "fp8"}], ids=str)
 @torch.no_grad()
 def test_quantized_decoding_on_cuda_equals_the_masked_reference_on_the_dequantized_entries(
-    masked_reference, dtype, atol, bits
+    masked_reference, dtype, atol, storage
 ):
     """Codes, scales and the residual live on the GPU; decoding reads them back as the float64 reference does."""
     model = tiny_llama(seed=3).cuda().to(dtype)
     ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(1)).cuda()
-    codec = Quantized(bits, 8, 8)
-    cache = kvsieve.compress(model, ids[:, :100], "snapkv+adaptive", 0.7, n_recent=8, kv_bits=bits, kv_group=8,
-                             kv_residual=8)  # fmt: skip
+    codec = codec_for(Storage(**storage, kv_group=8, kv_residual=8), 16)
+    cache = kvsieve.compress(model, ids[:, :100], "snapkv+adaptive", 0.7, n_recent=8, kv_group=8, kv_residual=8,
+                             **storage)  # fmt: skip
     assert all(t.device.type == "cuda" for layer in cache.layers for t in layer.segments.body.data)
     kept = [cache.kept_positions(layer) for layer in range(3)]
     with kvsieve.sieve_attention(model):
@@ -79,6 +80,28 @@ def test_quantized_decoding_on_cuda_equals_the_masked_reference_on_the_dequantiz
     with masked_reference(model, ids[:, :100], kept, codec=codec) as ref:
         expected = [model(ids[:, t : t + 1], past_key_values=ref.cache).logits for t in range(100, 110)]
     torch.testing.assert_close(torch.cat(steps, 1).float(), torch.cat(expected, 1).float(), atol=atol, rtol=0)
+
+
+@torch.no_grad()
+def test_a_bounded_dropkv_cache_on_cuda_keeps_its_outputs_valid():
+    """The outputs dropkv reads are re-measured on the GPU after every eviction: equal to the eager softmax."""
+    model = tiny_llama(seed=3).cuda()
+    ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(1)).cuda()
+    cache = kvsieve.compress(model, ids[:, :60], "dropkv", max_tokens=40, buffer=8, window=4)
+    with kvsieve.sieve_attention(model):
+        for t in range(60, 100):
+            model(ids[:, t : t + 1], past_key_values=cache)
+    for obs in cache.growth.observations(cache, 0):
+        queries, positions = obs.queries(4)
+        keys, values, at, valid = (
+            t.repeat_interleave(obs.group, dim=0) for t in (obs.keys, obs.values, obs.positions, obs.valid_mask)
+        )
+        hidden = (at[:, None, :] > positions[None, :, None]) | ~valid[:, None, :]
+        logits = (queries.double() @ keys.double().transpose(1, 2)) * obs.scaling
+        expected = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1) @ values.double()
+        held = obs.stats.window["attention_outputs"]
+        assert held.device.type == "cuda"
+        torch.testing.assert_close(held.double(), expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("length", [200, 1024])

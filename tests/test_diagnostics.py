@@ -38,7 +38,7 @@ from kvsieve.harness.report.figures import (
     plot_eviction_map,
     plot_hallucination_vs_ger,
 )
-from kvsieve.runtime.prefill import observe_prefill
+from kvsieve.runtime.observing.prefill import observe_prefill
 from kvsieve.selection.spec import make_policy
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 import kvsieve
 from conftest import tiny_llama
-from kvsieve.runtime import kernels
+from kvsieve.runtime.attention import kernels
 from kvsieve.selection.allocators import ALLOCATORS
 from specs import SCORER_SPECS
 
@@ -151,10 +151,11 @@ def test_prefill_without_accumulation_is_exact(model, ids):
 @torch.no_grad()
 def test_prefill_records_only_what_is_needed(model, ids):
     bare = kvsieve.observe_prefill(model, ids, kvsieve.Needs())
-    stats = bare.observations[0][0].stats
-    assert stats.window_queries is None and stats.received is None and stats.output_weight is None
+    stats, facts = bare.observations[0][0].stats, bare.observations[0][0].facts
+    assert stats.window_queries is None and stats.received is None and facts.output_weight is None
     needs = kvsieve.make_policy("critical:window=4").needs
     assert needs == kvsieve.Needs(window=4, output_projection=True)
-    stats = kvsieve.observe_prefill(model, ids, needs).observations[0][1].stats
+    observation = kvsieve.observe_prefill(model, ids, needs).observations[0][1]
+    stats = observation.stats
     assert stats.window_queries.shape == (4, 4, 16) and stats.received is None
-    assert torch.equal(stats.output_weight, model.model.layers[1].self_attn.o_proj.weight)
+    assert torch.equal(observation.facts.output_weight, model.model.layers[1].self_attn.o_proj.weight)

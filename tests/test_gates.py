@@ -18,6 +18,8 @@ from kvsieve.harness.training.retention import (
     soft_retention,
 )
 from kvsieve.harness.training.train import TrainConfig, train_gates, train_step
+from kvsieve.modeling.gates import RetentionGates, gate_shape
+from kvsieve.modeling.rotary import find_rotary, rotate_half
 from kvsieve.selection.checkpoint import (
     GateCheckpointError,
     TrainRecord,
@@ -26,8 +28,6 @@ from kvsieve.selection.checkpoint import (
     read_gates,
     save_gates,
 )
-from kvsieve.selection.gates import RetentionGates, gate_shape
-from kvsieve.selection.rotary import find_rotary, rotate_half
 
 SEQ = 48
 

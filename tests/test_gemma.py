@@ -8,7 +8,7 @@ import torch
 import kvsieve
 from kvsieve.harness.data import long_context
 from kvsieve.harness.gemma import gemma_missing
-from kvsieve.runtime.sliding import SlidingLayer
+from kvsieve.runtime.storage.sliding import SlidingLayer
 from kvsieve.selection.checkpoint import DEFAULT_GATES, load_gates, read_gates, shipped_gates_for
 
 pytestmark = [

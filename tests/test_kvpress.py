@@ -19,7 +19,7 @@ from conftest import tiny_llama
 from kvsieve.harness.compare import KVPRESS_PRESSES, import_kvpress, kvpress_compress, kvpress_ratio, make_press
 from kvsieve.harness.compare.kvpress import PrunedLayer, global_ratio
 from kvsieve.harness.runners import LocalRunner
-from kvsieve.runtime.attention import ATTENTION_NAME, register_sieve_attention, sieve_attention_forward
+from kvsieve.runtime.attention.sieve import ATTENTION_NAME, register_sieve_attention, sieve_attention_forward
 from kvsieve.selection.budget import uniform_keep
 from tokenizer import VOCAB_SIZE
 

@@ -10,8 +10,8 @@ import torch
 
 import kvsieve
 from conftest import tiny_llama
-from kvsieve.runtime.growth import BoundedGrowth
-from kvsieve.runtime.reconstruction import flash_attention, materialized_attention, repeat_prompt_ids
+from kvsieve.runtime.eviction.growth import BoundedGrowth
+from kvsieve.runtime.observing.reconstruction import flash_attention, materialized_attention, repeat_prompt_ids
 from kvsieve.selection.allocators import ALLOCATORS
 from kvsieve.selection.budget import MaxTokens
 from kvsieve.selection.errors import PolicyError

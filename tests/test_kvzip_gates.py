@@ -12,7 +12,7 @@ from conftest import tiny_llama
 from kvsieve.harness.training.data import TrainingData
 from kvsieve.harness.training.kvzip_target import KVZIP_TEACHER, keep_loss, kvzip_keep, kvzip_step, log_survival
 from kvsieve.harness.training.train import TrainConfig, train_gates
-from kvsieve.selection.gates import RetentionGates, gate_shape
+from kvsieve.modeling.gates import RetentionGates, gate_shape
 from kvsieve.selection.observation import Needs
 from tokenizer import VOCAB_SIZE
 
@@ -54,8 +54,8 @@ def test_log_survival_is_distance_times_log_beta(tok):
     scores = log_survival(gates, obs)
     assert scores.shape == (2, SEQ)
     # trimkv's own score at the next step is the same quantity, for gates of the same weights
-    from kvsieve.selection.gates import retention_scores
-    from kvsieve.selection.rotary import unrotate
+    from kvsieve.modeling.gates import retention_scores
+    from kvsieve.modeling.rotary import unrotate
 
     cos, sin = obs.rotary(obs.positions.flatten())
     keys = unrotate(obs.keys.float(), *(x.view(*obs.positions.shape, -1) for x in (cos, sin)))

@@ -1,5 +1,6 @@
-"""The three layers: selection imports neither runtime nor harness, runtime never the harness, and
-`import kvsieve` loads no harness module and none of the harness's heavy dependencies."""
+"""The four layers: modeling imports no other, selection neither runtime nor harness, runtime never the
+harness; inside the runtime, storage < attention < observing < eviction < api; and `import kvsieve`
+loads no harness module and none of the harness's heavy dependencies."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ import kvsieve
 PACKAGE = Path(kvsieve.__file__).parent
 #: Each layer and the kvsieve layers it may import.
 ALLOWED = {
-    "selection": {"selection"},
-    "runtime": {"selection", "runtime"},
-    "harness": {"selection", "runtime", "harness"},
+    "modeling": {"modeling"},
+    "selection": {"modeling", "selection"},
+    "runtime": {"modeling", "selection", "runtime"},
+    "harness": {"modeling", "selection", "runtime", "harness"},
 }
+#: The runtime's folders from the bottom up: each imports only those before it (and the runtime's own modules).
+RUNTIME_LEVELS = ("storage", "attention", "observing", "eviction", "api")
 #: Loaded by the harness only: a user's `import kvsieve` must not load them.
 HEAVY = ("rich", "pandas", "matplotlib", "gguf", "typer", "wonderwords")
 
@@ -69,6 +73,26 @@ def test_each_layer_imports_only_itself_and_the_layers_below(layer):
     assert not wrong, sorted(wrong)
 
 
+def test_no_runtime_folder_imports_one_above_it():
+    runtime = PACKAGE / "runtime"
+    assert sorted(p.name for p in runtime.iterdir() if (p / "__init__.py").is_file()) == sorted(RUNTIME_LEVELS)
+    wrong = set()
+    for level, folder in enumerate(RUNTIME_LEVELS):
+        for path in (runtime / folder).rglob("*.py"):
+            for name in _kvsieve_imports(path):
+                parts = name.split(".")
+                if parts[1] == "runtime" and len(parts) > 2 and parts[2] in RUNTIME_LEVELS[level + 1 :]:
+                    wrong.add(f"{path.relative_to(PACKAGE)} imports {name}")
+    top = [path for path in runtime.glob("*.py")]
+    wrong |= {
+        f"{path.relative_to(PACKAGE)} imports {name}"
+        for path in top
+        for name in _kvsieve_imports(path)
+        if name.split(".")[1:3][-1] in RUNTIME_LEVELS
+    }
+    assert not wrong, sorted(wrong)
+
+
 def _harness_folder_imports() -> dict[str, set[str]]:
     """Each folder of the harness and the other harness folders its files import (function-level imports too)."""
     harness = PACKAGE / "harness"
@@ -98,7 +122,7 @@ def test_no_harness_folder_imports_one_that_imports_it_back():
 
 def test_the_package_root_imports_the_harness_only_lazily():
     eager = _kvsieve_imports(PACKAGE / "__init__.py", type_checking=False)
-    assert eager and all(_layer(name) in ("selection", "runtime") for name in eager), sorted(eager)
+    assert eager and all(_layer(name) in ("modeling", "selection", "runtime") for name in eager), sorted(eager)
 
 
 def test_importing_kvsieve_loads_no_harness_module_nor_its_dependencies():

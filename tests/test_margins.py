@@ -13,7 +13,7 @@ import kvsieve
 from conftest import tiny_llama
 from kvsieve.harness.data.sample import EncodedSample, TaskSample, encode
 from kvsieve.harness.eval.margins import Margin, margins
-from kvsieve.runtime.evictions import Eviction, evictions
+from kvsieve.runtime.api.evictions import Eviction, evictions
 from tokenizer import VOCAB_SIZE
 
 FILLER = "The grass is green. The sky is blue. Here we go. There and back again. "

@@ -8,9 +8,10 @@ import torch
 import kvsieve
 from conftest import tiny_gemma3, tiny_llama
 from kvsieve.harness.runners import LocalRunner
-from kvsieve.runtime.codecs import DEFAULT_RESIDUAL, FULL_PRECISION, Quantized, make_codec
-from kvsieve.runtime.segments import BLOCK
+from kvsieve.runtime.storage.codecs import FULL_PRECISION, Quantized, make_codec
+from kvsieve.runtime.storage.segments import BLOCK
 from kvsieve.selection.errors import PolicyError
+from kvsieve.selection.storage import DEFAULT_RESIDUAL
 
 GROUP = 8  # the tiny models' head dimension is 16
 SPECS = ["snapkv", "snapkv+adaptive", "h2o+global", "trimkv+global:gates=untrained"]

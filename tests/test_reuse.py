@@ -18,7 +18,7 @@ from kvsieve.harness.eval.reuse import answer_from_copy, run_reuse, without_ques
 from kvsieve.harness.eval.sweep import sample_case
 from kvsieve.harness.runners import LocalRunner
 from kvsieve.harness.training.data import TRAINING_TASKS
-from kvsieve.runtime.attention import sieve_attention
+from kvsieve.runtime.attention.sieve import sieve_attention
 from tokenizer import VOCAB_SIZE
 
 LENGTH = 640

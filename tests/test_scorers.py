@@ -7,6 +7,9 @@ pre-RoPE queries captured with a forward hook. None of them calls a kvsieve help
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,8 +17,8 @@ from transformers import DynamicCache
 
 import kvsieve
 from conftest import tiny_llama
-from kvsieve.selection.observation import Statistics
-from kvsieve.selection.rotary import unrotate
+from kvsieve.modeling.rotary import unrotate
+from kvsieve.selection.observation import LayerFacts
 from specs import SCORER_SPECS
 
 N = 64  # context length of every reference prefill
@@ -260,10 +263,12 @@ def test_expected_unrotation_and_full_reference(model, ids):
 
 @pytest.fixture(scope="module")
 def group4_observations() -> list[kvsieve.Observation]:
-    """Observations of a group-4 model (8 heads, 2 kv-heads; 6 heads would not divide hidden_size 64)."""
+    """Observations of a group-4 model (8 heads, 2 kv-heads; 6 heads would not divide hidden_size 64), recording
+    what every scorer of `SCORER_SPECS` needs."""
     model = tiny_llama(heads=8, kv_heads=2)
     ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(1))
-    needs = kvsieve.Needs(window=32, accumulated=True, output_projection=True, rotary=True, gates=("untrained",))
+    needs = functools.reduce(operator.or_, (kvsieve.make_policy(spec).needs for spec in SCORER_SPECS))
+    assert needs.accumulated and needs.output_projection and needs.rotary and needs.gates == ("untrained",)
     return kvsieve.observe_prefill(model, ids, needs).observations[0]
 
 
@@ -292,8 +297,8 @@ def evicted():
 def _single_head_observation(cache: kvsieve.SievedCache, layer: int, head: int, group: int, scaling: float):
     """An Observation holding only the real entries that one kv-head of an evicted cache keeps, built by hand."""
     keys, values, positions = cache.layers[layer].segments.segment(0, head)
-    stats = Statistics(scaling=scaling, q_heads=group)
-    return kvsieve.Observation(layer, len(cache.layers), keys[None], values[None], positions[None], None, stats)
+    facts = LayerFacts(scaling=scaling, q_heads=group)
+    return kvsieve.Observation(layer, len(cache.layers), keys[None], values[None], positions[None], None, facts)
 
 
 @pytest.mark.parametrize("spec", ["knorm", "keydiff", "streaming", "window:keykey=true"])

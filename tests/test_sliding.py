@@ -9,8 +9,8 @@ from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM
 import kvsieve
 from conftest import WINDOW, tiny_gemma3, tiny_llama, tiny_mistral
 from kvsieve.harness.eval import diagnose, survival_from_cache
-from kvsieve.runtime.evictions import Eviction, evictions
-from kvsieve.runtime.sliding import SlidingLayer
+from kvsieve.runtime.api.evictions import Eviction, evictions
+from kvsieve.runtime.storage.sliding import SlidingLayer
 
 PROMPT, STEPS = 40, 30  # the decode runs well past the window of 16
 FULL = [1, 3]  # the full-attention layers of tiny_gemma3

@@ -1,8 +1,9 @@
 """kvsieve: decide which KV-cache entries a transformers model keeps, evict the rest for real, measure the cost.
 
-Three layers, each a package: `kvsieve.selection` (which entries to keep, from observations alone),
+Four layers, each a package: `kvsieve.modeling` (what is read from a model: its layers, rotary embedding,
+weights hash, the gate network), `kvsieve.selection` (which entries to keep, from observations alone),
 `kvsieve.runtime` (the cache, sieve attention, prefill and generation) and `kvsieve.harness` (models,
-data, evaluation, reports, training, the CLI). `import kvsieve` loads the first two; `load_model`
+data, evaluation, reports, training, the CLI). `import kvsieve` loads the first three; `load_model`
 loads the harness's model loader when it is first called.
 """
 
@@ -10,18 +11,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .runtime.apply import SieveHandle, UncompressedForwardWarning, apply
-from .runtime.attention import UnsupportedAttentionError, sieve_attention
-from .runtime.cache import RaggedAttentionError, SievedCache
-from .runtime.cache_observations import observe_cache
+from .modeling.errors import UnhookableModelError
+from .runtime.api.apply import SieveHandle, UncompressedForwardWarning, apply
+from .runtime.api.compress import bounded_cache, compress
+from .runtime.api.config import EvictionConfig
+from .runtime.api.evictions import Eviction, evictions
+from .runtime.api.generation import generate
+from .runtime.attention.sieve import UnsupportedAttentionError, sieve_attention
 from .runtime.compat import UnsupportedTransformersError, cache_argument
-from .runtime.compress import bounded_cache, compress
-from .runtime.config import EvictionConfig
-from .runtime.evictions import Eviction, evictions
-from .runtime.generation import generate
-from .runtime.prefill import Prefill, observe_prefill
+from .runtime.observing.cache_observations import observe_cache
+from .runtime.observing.prefill import Prefill, observe_prefill
+from .runtime.storage.cache import RaggedAttentionError, SievedCache
 from .selection.budget import MaxBytes, MaxTokens, Rate
-from .selection.errors import PolicyError, UnhookableModelError
+from .selection.errors import PolicyError
 from .selection.observation import Needs, Observation
 from .selection.policy import Policy
 from .selection.spans import sentence_spans

@@ -14,11 +14,11 @@ import torch
 import typer
 from rich.table import Table
 
-from ..runtime.attention import sieve_attention
+from ..runtime.api.compress import compress
+from ..runtime.attention.sieve import sieve_attention
 from ..runtime.compat import cache_argument
-from ..runtime.compress import compress
-from ..runtime.growth import DEFAULT_BUFFER
-from ..runtime.prefill import observe_prefill
+from ..runtime.eviction.growth import DEFAULT_BUFFER
+from ..runtime.observing.prefill import observe_prefill
 from ..selection.allocators import ALLOCATORS
 from ..selection.budget import check_count, check_rate
 from ..selection.projection import PROJECTIONS

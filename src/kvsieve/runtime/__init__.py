@@ -1,4 +1,5 @@
-"""The runtime layer: storage, attention, the observed prefill, eviction during generation, and the entry points.
+"""The runtime layer, folder by folder from the bottom up: `storage` (the cache), `attention`, `observing` (what
+scorers read, recorded), `eviction` (while a cache grows) and `api` (the entry points).
 
 It runs the model and holds the cache; it asks the selection layer which entries to keep.
 Nothing here imports the harness. Importing it checks the installed `transformers` first

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..selection.errors import UnhookableModelError
+from ..modeling.errors import UnhookableModelError
 
 
 def check_model(model: object) -> None:

@@ -1,5 +1,6 @@
 """The selection layer: which entries to keep, from observations alone.
 
-The observation contract, budgets, allocators, projections, protection, policies, scorers and
-the retention gates with their checkpoints. Nothing here imports attention, the cache or the harness.
+The observation contract, budgets, allocators, projections, protection, policies, scorers and the
+retention-gate checkpoints a learned scorer loads. What it reads from a model (architecture, rotary
+embedding, the gate network) is `kvsieve.modeling`'s. Nothing here imports attention, the cache or the harness.
 """

@@ -2,23 +2,22 @@
 
 `config.json` records the gates' shape, the model (name and weights hash) and how they were
 trained (`TrainRecord`). Loading checks both: gates for another model, or for other dimensions,
-are a clear error. Checkpoints shipped with kvsieve live in `kvsieve/learn/checkpoints/<name>/`;
+are a clear error. Checkpoints shipped with kvsieve live in `kvsieve/selection/checkpoints/<name>/`;
 ``"default"`` picks the shipped one trained for the model at hand.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..modeling.fingerprint import model_fingerprint
+from ..modeling.gates import GateShape, RetentionGates, gate_shape
 from .allocators import ALLOCATORS
-from .gates import GateShape, RetentionGates, gate_shape
 
 WEIGHTS_FILE = "gates.safetensors"
 CONFIG_FILE = "config.json"
@@ -27,22 +26,9 @@ DEFAULT_GATES = "default"
 #: Gates as initialised (seed 0), for any model: the ablation that shows what training bought.
 UNTRAINED_GATES = "untrained"
 
-_FINGERPRINTS: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
-
 
 class GateCheckpointError(ValueError):
     """A retention-gate checkpoint is missing, malformed, or made for another model."""
-
-
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """A hash of the model's weights (rounded to bfloat16, so float32 and bfloat16 copies agree), cached per model."""
-    if model not in _FINGERPRINTS:
-        digest = hashlib.blake2b(digest_size=16)
-        for name, param in model.state_dict().items():
-            digest.update(name.encode())
-            digest.update(param.detach().to("cpu", torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes())
-        _FINGERPRINTS[model] = digest.hexdigest()
-    return _FINGERPRINTS[model]
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ A spec names a scorer (`kvsieve.selection.scorers`) and optionally an allocator
 (`kvsieve.selection.allocators`, ``uniform`` by default); its parameters belong to the scorer, the
 allocator, the protection (`n_sink`, `n_recent`), the projection (``projection=topk|chunk|sentence``
 and the chosen projection's own parameters, e.g. `chunk_size`) or the storage of the kept entries
-(`kv_bits`, `kv_group`, `kv_residual`: `kvsieve.selection.storage`). `Policy.name` writes the spec back.
+(`kv_bits`, `kv_group`, `kv_residual`, `kv_codec`: `kvsieve.selection.storage`). `Policy.name` writes the spec back.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .policy import Policy
 from .projection import PROJECTIONS, Projection, TopK
 from .protection import PROTECTION_DEFAULTS
 from .scorers import SCORERS
-from .storage import STORAGE_KEYS, Storage
+from .storage import STORAGE_KEYS, Storage, storage_value
 
 #: Deprecated keywords `make_policy` (and everything that passes policy parameters on to it) still takes.
 DEPRECATED_PARAMETERS = ("budget", "sliding_window")
@@ -118,7 +118,7 @@ def make_policy(spec: str | Policy, allocator: str | None = None, **params: obje
             `n_recent`, `projection` (``topk``, ``chunk``, ``sentence``, or a `Projection`) and the
             projection's own (`chunk_size` for ``chunk``), e.g. ``"snapkv+global:projection=chunk,chunk_size=16"``.
             The deprecated `budget` (the allocator) and `sliding_window` (`n_recent`) still work, with a warning.
-            The storage keys `kv_bits`, `kv_group`, `kv_residual` (`kvsieve.selection.storage.Storage`) may
+            The storage keys `kv_bits`, `kv_group`, `kv_residual`, `kv_codec` (`kvsieve.selection.storage.Storage`) may
             also be given with a `Policy`; one the spec (or the `Policy`) sets to another value is an error,
             and None (or `kv_bits=16`) sets nothing.
     """
@@ -138,7 +138,7 @@ def make_policy(spec: str | Policy, allocator: str | None = None, **params: obje
     owner = {key: part for part, defaults in parts.items() for key in defaults}
     label = scorer_name if allocator_name == "uniform" else f"{scorer_name}+{allocator_name}"
     given: dict[str, object] = renamed_keywords(_text_parameters(text), f"policy {spec!r}", ("sliding_window",))
-    said = {key: _convert(given.pop(key), 0, key) for key in STORAGE_KEYS if key in given}
+    said = {key: storage_value(key, given.pop(key)) for key in STORAGE_KEYS if key in given}
     for key in [*given, *params]:
         if key not in owner:
             raise PolicyError(f"unknown parameter {key!r} for {label}; valid: {', '.join([*owner, *STORAGE_KEYS])}")

@@ -43,13 +43,13 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
-from ...runtime.attention import attention_implementation
-from ...runtime.codecs import DEFAULT_GROUP
+from ...modeling.architecture import attention_module, decoder_layers
+from ...runtime.attention.sieve import attention_implementation
 from ...runtime.compat import cache_argument, query_length
-from ...selection.architecture import attention_module, decoder_layers
 from ...selection.budget import check_count, check_rate, evicted_count
 from ...selection.observation import DEFAULT_WINDOW
 from ...selection.protection import DEFAULT_N_RECENT, DEFAULT_N_SINK
+from ...selection.storage import DEFAULT_GROUP
 from .. import install_hint
 from ..cache_size import CacheSize
 from .kvpress_quantized import cache_nbytes, check_kv_bits, mark_pruned, quantized_cache

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...runtime.cache import SievedCache
-from ...runtime.compress import compress
+from ...runtime.api.compress import compress
+from ...runtime.storage.cache import SievedCache
 from ...selection.allocators import Uniform
 from ...selection.spec import make_policy
 

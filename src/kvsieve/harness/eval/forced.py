@@ -21,7 +21,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from ...runtime.evictions import Eviction
+from ...runtime.api.evictions import Eviction
 from ...selection.observation import Needs, Observation
 from ...selection.policy import Policy
 from ...selection.protection import protected_mask

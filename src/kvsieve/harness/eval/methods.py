@@ -29,12 +29,12 @@ from typing import Any, ClassVar, Protocol
 import torch
 from transformers import Cache
 
-from ...runtime.attention import sieve_attention
-from ...runtime.cache import SievedCache
-from ...runtime.codecs import storage_codec
-from ...runtime.compress import bounded_cache_with
-from ...runtime.evictions import Eviction, evictions
-from ...runtime.prefill import Prefill, observe_prefill
+from ...runtime.api.compress import bounded_cache_with
+from ...runtime.api.evictions import Eviction, evictions
+from ...runtime.attention.sieve import sieve_attention
+from ...runtime.observing.prefill import Prefill, observe_prefill
+from ...runtime.storage.cache import SievedCache
+from ...runtime.storage.codecs import storage_codec
 from ...selection.budget import MaxTokens
 from ...selection.observation import Needs
 from ...selection.policy import Policy

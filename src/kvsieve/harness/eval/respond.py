@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from transformers import Cache
 
-from ...runtime.cache import SievedCache
 from ...runtime.compat import cache_argument
+from ...runtime.storage.cache import SievedCache
 from .answers import gold_statistics
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from ...runtime.cache import SievedCache
+from ...runtime.storage.cache import SievedCache
 from ...selection.budget import check_rate
 from ..data.sample import EncodedSample, TaskSample, encode
 from ..progress import ProgressCallback

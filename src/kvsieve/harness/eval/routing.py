@@ -23,7 +23,7 @@ from typing import Literal
 
 import torch
 
-from ...runtime.cache import SievedCache
+from ...runtime.storage.cache import SievedCache
 from ...selection.observation import Observation
 
 #: What `H` means in every consensus number this module produces.

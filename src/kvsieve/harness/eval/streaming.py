@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ...runtime.growth import DEFAULT_BUFFER
+from ...runtime.eviction.growth import DEFAULT_BUFFER
 from ...selection.budget import check_count
 from ..data.essays import essay_texts
 from ..data.haystack import LINE_SEP, needle_units

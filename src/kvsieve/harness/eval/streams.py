@@ -17,9 +17,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ...runtime.attention import sieve_attention
-from ...runtime.cache import SievedCache
+from ...runtime.attention.sieve import sieve_attention
 from ...runtime.compat import cache_argument
+from ...runtime.storage.cache import SievedCache
 from ..cache_size import CacheSize
 
 

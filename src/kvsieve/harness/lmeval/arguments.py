@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ...runtime.config import EvictionConfig
-from ...runtime.growth import DEFAULT_BUFFER
+from ...runtime.api.config import EvictionConfig
+from ...runtime.eviction.growth import DEFAULT_BUFFER
 from ...selection.errors import PolicyError
 from ..models import torch_device, torch_dtype
 

@@ -30,10 +30,10 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from ...runtime.attention import sieve_attention
-from ...runtime.compress import refuse_unevictable
-from ...runtime.config import EvictionConfig
-from ...runtime.decoding import generate_compressed
+from ...runtime.api.compress import refuse_unevictable
+from ...runtime.api.config import EvictionConfig
+from ...runtime.api.decoding import generate_compressed
+from ...runtime.attention.sieve import sieve_attention
 from ...selection.checkpoint import load_gates
 from ..models import DEFAULT_MODEL, load_model, torch_device, torch_dtype
 from ..progress import progress_bar

@@ -2,7 +2,7 @@
 
 `continuation_logprobs` is lm-eval's `loglikelihood` for one context and its continuations (the
 choices of a multiple-choice question): the context but its last token is compressed once
-(`kvsieve.runtime.decoding.compressed_prompt`, the path `generate` takes), the cache is copied into
+(`kvsieve.runtime.api.decoding.compressed_prompt`, the path `generate` takes), the cache is copied into
 one row per continuation, and the last context token followed by each continuation is fed through
 it in one teacher-forced forward, so every continuation token is predicted from the evicted cache.
 Nothing is evicted during that forward. `rolling_logprob` is `loglikelihood_rolling`: the streaming
@@ -21,13 +21,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ...runtime.attention import sieve_attention
-from ...runtime.cache import SievedCache
+from ...runtime.api.compress import bounded_cache_with, evict_between_forwards, refuse_unevictable
+from ...runtime.api.config import EvictionConfig
+from ...runtime.api.decoding import compressed_prompt
+from ...runtime.attention.sieve import sieve_attention
 from ...runtime.compat import cache_argument
-from ...runtime.compress import bounded_cache_with, evict_between_forwards, refuse_unevictable
-from ...runtime.config import EvictionConfig
-from ...runtime.decoding import compressed_prompt
-from ...runtime.growth import BoundedGrowth
+from ...runtime.eviction.growth import BoundedGrowth
+from ...runtime.storage.cache import SievedCache
 from ...selection.errors import PolicyError
 from ..eval.streams import SievedStream, run_stream
 
@@ -77,7 +77,7 @@ def continuation_logprobs(
     `question_start`: where the question begins in `context` (question-aware compression: the context
     before it is compressed after the question is seen, and the question stays protected); None:
     question-agnostic. Under a rate, a context too short to evict is not compressed (the rule of
-    `kvsieve.runtime.decoding`); the continuations then see the whole context. `tokenizer`: the
+    `kvsieve.runtime.api.decoding`); the continuations then see the whole context. `tokenizer`: the
     model's, for a policy that asks the model to repeat its context (``kvzip``).
     """
     if not continuations or any(len(c) == 0 for c in continuations):

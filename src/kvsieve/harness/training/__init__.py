@@ -1,6 +1,6 @@
 """Training retention gates (TrimKV / DBTrimKV) for a frozen model: data, soft retention, losses, the loop.
 
-The gates and their checkpoints are `kvsieve.selection.gates` and `kvsieve.selection.checkpoint`.
+The gates and their checkpoints are `kvsieve.modeling.gates` and `kvsieve.selection.checkpoint`.
 """
 
 from .train import TrainConfig, train_gates

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ...runtime.prefill import observe_prefill
+from ...modeling.gates import RetentionGates, retention_scores
+from ...runtime.observing.prefill import observe_prefill
 from ...selection.budget import MaxTokens
-from ...selection.gates import RetentionGates, retention_scores
 from ...selection.observation import Needs, Observation
 from ...selection.policy import Policy
 from ...selection.protection import protected_mask

@@ -21,9 +21,9 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from ...runtime.attention import attention_implementation
-from ...selection.gates import RetentionGates
-from ...selection.rotary import unrotate
+from ...modeling.gates import RetentionGates
+from ...modeling.rotary import unrotate
+from ...runtime.attention.sieve import attention_implementation
 
 ATTENTION_NAME = "retention"
 

@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ...selection.checkpoint import TrainRecord, model_fingerprint, save_gates
-from ...selection.gates import DEFAULT_BIAS_INIT, DEFAULT_WIDTH, RetentionGates, gate_shape
-from ...selection.rotary import find_rotary
+from ...modeling.fingerprint import model_fingerprint
+from ...modeling.gates import DEFAULT_BIAS_INIT, DEFAULT_WIDTH, RetentionGates, gate_shape
+from ...modeling.rotary import find_rotary
+from ...selection.checkpoint import TrainRecord, save_gates
 from ..progress import progress_bar
 from .data import TrainingData, training_data
 from .kvzip_target import kvzip_step

@@ -3,6 +3,7 @@
 from .base import Scorer
 from .caote import CAOTEScorer
 from .critical import CriticalScorer
+from .dropkv import DropKVScorer
 from .expected import ExpectedScorer
 from .h2o import H2OScorer
 from .importance import ImportanceScorer
@@ -32,6 +33,7 @@ SCORERS: dict[str, type] = {
         KeyDiffScorer,
         VATPScorer,
         CAOTEScorer,
+        DropKVScorer,
         CriticalScorer,
         TrimKVScorer,
         KVzipScorer,
@@ -42,6 +44,7 @@ __all__ = [
     "SCORERS",
     "CAOTEScorer",
     "CriticalScorer",
+    "DropKVScorer",
     "ExpectedScorer",
     "H2OScorer",
     "ImportanceScorer",

@@ -55,7 +55,7 @@ class CriticalScorer:
         return Needs(window=self.window, output_projection=True)
 
     def score(self, obs: Observation) -> torch.Tensor:
-        weight = obs.stats.output_weight
+        weight = obs.facts.output_weight
         if weight is None:
             raise ValueError("critical needs the attention output projection (Needs.output_projection)")
         attention = obs.window_attention(self.window).mean(dim=1)  # [q_heads, n]

@@ -7,8 +7,8 @@ from typing import ClassVar
 
 import torch
 
+from ...modeling.rotary import unrotate
 from ..observation import DEFAULT_WINDOW, Needs, Observation
-from ..rotary import unrotate
 from .base import check_window
 
 

@@ -21,7 +21,7 @@ class KVzipScorer:
     may need. The reconstruction is a second pass over the context (`chunk` tokens a forward, each
     on a copy of the cache), several prefills' worth on a small model (`benchmarks/prefill_overhead.py`).
     A chunked prefill repeats everything fed so far at each eviction; re-scoring during generation is
-    not defined (`kvsieve.runtime.compress`).
+    not defined (`kvsieve.runtime.api.compress`).
     Scores are attention probabilities, comparable across layers and heads, which is why the paper
     ranks them under one global budget (``kvzip+global``).
     """

@@ -7,10 +7,10 @@ from typing import ClassVar
 
 import torch
 
+from ...modeling.gates import RetentionGates, retention_scores
+from ...modeling.rotary import unrotate
 from ..checkpoint import DEFAULT_GATES
-from ..gates import RetentionGates, retention_scores
 from ..observation import Needs, Observation
-from ..rotary import unrotate
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class TrimKVScorer:
         return Needs(rotary=True, gates=(self.gates,))
 
     def score(self, obs: Observation) -> torch.Tensor:
-        gates = obs.stats.gates.get(self.gates)
+        gates = obs.facts.gates.get(self.gates)
         if obs.rotary is None or gates is None:
             raise ValueError(f"trimkv needs the rotary embedding and the gates {self.gates!r} (Needs.rotary, .gates)")
         now = obs.seen if obs.seen is not None else int(obs.positions.max()) + 1

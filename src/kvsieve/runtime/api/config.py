@@ -7,15 +7,15 @@ from dataclasses import InitVar, dataclass, field
 
 import torch
 
-from ..selection.budget import Budget, check_count, make_budget
-from ..selection.deprecation import renamed_keywords
-from ..selection.errors import PolicyError
-from ..selection.policy import Policy
-from ..selection.spec import make_policy
-from ..selection.storage import Storage
-from .codecs import EntryCodec, storage_codec
+from ...selection.budget import Budget, check_count, make_budget
+from ...selection.deprecation import renamed_keywords
+from ...selection.errors import PolicyError
+from ...selection.policy import Policy
+from ...selection.spec import make_policy
+from ...selection.storage import STORAGE_KEYS, Storage
+from ..eviction.growth import DEFAULT_BUFFER
+from ..storage.codecs import EntryCodec, storage_codec
 from .decoding import refuse_span_projection
-from .growth import DEFAULT_BUFFER
 
 #: `EvictionConfig`'s keywords before kvsieve 0.2, still taken with a `DeprecationWarning`.
 _OLD_NAMES = ("eviction_rate", "eviction_mode", "budget", "sliding_window")
@@ -30,8 +30,8 @@ class EvictionConfig:
     generation: the cache is evicted back to it whenever it has grown by `buffer` tokens per (layer,
     kv-head) (`buffer=None`: compress the prompt only). `policy` is a `Policy` or a spec (scorer,
     optionally ``+allocator`` and parameters); `allocator`, `n_sink` and `n_recent` override the
-    spec's. `kv_bits` (16, 8, 4, 2), `kv_group` and `kv_residual` say how the kept entries are
-    stored (`kvsieve.compress`); the spec may say it instead (``"h2o:kv_bits=8"``; a contradiction is
+    spec's. The storage keys `kv_bits` (16, 8, 4, 2), `kv_group`, `kv_residual` and `kv_codec` say how the kept
+    entries are stored (`kvsieve.compress`); the spec may say it instead (``"h2o:kv_bits=8"``; a contradiction is
     an error). The keywords of kvsieve 0.1 (`eviction_rate`, `eviction_mode`, `budget` for the
     allocator, `sliding_window` for `n_recent`) still work, with a `DeprecationWarning`.
     """
@@ -47,6 +47,7 @@ class EvictionConfig:
     kv_bits: int = 16
     kv_group: int | None = None
     kv_residual: int | None = None
+    kv_codec: str | None = None
     eviction_rate: InitVar[float | None] = None
     eviction_mode: InitVar[str | None] = None
     budget: InitVar[str | None] = None
@@ -67,7 +68,7 @@ class EvictionConfig:
             object.__setattr__(self, name, value)
         self.limit()  # validates the budget
         overrides = {k: v for k, v in (("n_sink", self.n_sink), ("n_recent", self.n_recent)) if v is not None}
-        storage = {"kv_bits": self.kv_bits, "kv_group": self.kv_group, "kv_residual": self.kv_residual}
+        storage = {key: getattr(self, key) for key in STORAGE_KEYS}
         policy = make_policy(self.policy, self.allocator, **storage, **overrides)  # checks the storage too
         refuse_span_projection(policy)
         if self.sized and self.buffer is not None:

@@ -5,7 +5,7 @@ the first time a model is switched to it. For tensors of any other cache, and fo
 from which nothing was evicted, it *is* the model's SDPA attention. For an evicted cache it reads
 the layer's `RaggedLayout` to see which cache position each padded column holds, builds the
 visibility of every column to every query from it (and from the attention mask `transformers`
-built over the logical sequence), and runs one kernel call per layer (`kvsieve.runtime.kernels`): a
+built over the logical sequence), and runs one kernel call per layer (`kvsieve.runtime.attention.kernels`): a
 masked SDPA, or on CUDA in half precision, for decoding steps, torch's fused varlen kernel.
 
 Switching is scoped: `with sieve_attention(model): ...` restores the model's own attention on exit.
@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..selection.architecture import layer_windows
-from ..selection.errors import UnhookableModelError
-from .compat import attention_implementation_of
-from .inputs import check_model
+from ...modeling.architecture import layer_windows
+from ...modeling.errors import UnhookableModelError
+from ..compat import attention_implementation_of
+from ..inputs import check_model
+from ..storage.layout import RaggedLayout, active_scope, sieve_scope
+from ..storage.segments import PAD_POSITION
 from .kernels import masked_sdpa, tallied_attention, varlen_attention, varlen_available
-from .layout import RaggedLayout, active_scope, sieve_scope
-from .segments import PAD_POSITION
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -83,24 +83,39 @@ def sieve_attention_forward(
     """`transformers`' attention-function signature: `query [batch, heads, q, d]` -> `[batch, q, heads, d]`."""
     scope = active_scope()
     layout = None if scope is None else scope.layout_of(key)
-    if layout is not None and layout.queries is not None:
-        layout.queries.append(layout.layer_idx, query, layout.query_positions)
     if layout is None or (layout.contiguous and layout.recorder is None and layout.tally is None):
-        return sdpa_attention_forward(
+        out, _ = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    _check_supported(module, dropout, kwargs)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    else:
+        _check_supported(module, dropout, kwargs)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = _ragged_attention(layout, module, query, key, value, attention_mask, scale)
+    if layout is not None and layout.queries is not None:
+        layout.queries.append(layout.layer_idx, query, out.transpose(1, 2), layout.query_positions)
+    return out, None
+
+
+def _ragged_attention(
+    layout: RaggedLayout,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Attention over the layer's padded view: tallied, recorded, varlen for a decoding step, or masked SDPA."""
     if layout.tally is not None:
         out, received = tallied_attention(query, key, value, visibility(layout, attention_mask, query.shape[2]), scale)
         layout.tally.add_received(received)
-        return out, None
+        return out
     if layout.recorder is not None:
-        return layout.recorder.attend(layout, module, query, key, value, attention_mask, scale), None
+        return layout.recorder.attend(layout, module, query, key, value, attention_mask, scale)
     if attention_mask is None and query.shape[2] == 1 and varlen_available(query):
         valid = layout.slots.valid()
-        return varlen_attention(query, key, value, None if valid is None else valid.sum(-1), scale), None
-    return masked_sdpa(query, key, value, visibility(layout, attention_mask, query.shape[2]), scale), None
+        return varlen_attention(query, key, value, None if valid is None else valid.sum(-1), scale)
+    return masked_sdpa(query, key, value, visibility(layout, attention_mask, query.shape[2]), scale)
 
 
 def register_sieve_attention() -> None:
@@ -142,7 +157,7 @@ def sieve_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
     Raises `UnhookableModelError` for models whose attention does not go through the
     `transformers` attention interface or that use layers sieve attention cannot serve
-    (`kvsieve.selection.architecture.layer_windows`: full-attention and sliding-window layers are served).
+    (`kvsieve.modeling.architecture.layer_windows`: full-attention and sliding-window layers are served).
     """
     check_model(model)
     layer_windows(model)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from ..selection.observation import entry_bytes
+from ...selection.observation import entry_bytes
 
 
 class SlidingLayer(DynamicSlidingWindowLayer):

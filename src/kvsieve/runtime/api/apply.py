@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from .attention import sieve_attention
-from .cache import SievedCache
-from .compat import passed_cache
+from ..attention.sieve import sieve_attention
+from ..compat import passed_cache
+from ..storage.cache import SievedCache
 from .config import EvictionConfig
 from .decoding import generate_compressed
 
@@ -38,7 +38,7 @@ class SieveHandle:
     Question-aware: `model.generate(context_ids, question_ids=question, ...)` compresses the
     context after the question is seen and keeps the question (and the context's recent tail)
     protected; the output starts with the context and the question. Prompts too short to evict
-    follow `kvsieve.runtime.decoding`'s rule (under a rate they are not compressed, and
+    follow `kvsieve.runtime.api.decoding`'s rule (under a rate they are not compressed, and
     `last_cache` is None). `last_cache` is the cache of the latest call. `remove()` (or leaving
     the with-block) gives the model back its own `generate` and attention.
 

@@ -8,13 +8,13 @@ from typing import Protocol
 
 import torch
 
-from ..selection.budget import Budget, as_budget
-from ..selection.observation import Observation
-from ..selection.policy import Policy
-from ..selection.spec import make_policy
-from .cache import SievedCache
-from .codecs import FULL_PRECISION, EntryCodec, residual_nbytes, stored_entry_bytes
-from .prefill import Prefill
+from ...selection.budget import Budget, as_budget
+from ...selection.observation import Observation
+from ...selection.policy import Policy
+from ...selection.spec import make_policy
+from ..observing.prefill import Prefill
+from ..storage.cache import SievedCache
+from ..storage.codecs import FULL_PRECISION, EntryCodec, residual_nbytes, stored_entry_bytes
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """SievedCache: a `transformers.Cache` whose entries are stored per (sequence, layer, kv-head).
 
 Every kv-head of every full-attention layer of every sequence keeps its own entries
-(`kvsieve.runtime.segments`), so heads, layers and sequences may keep different numbers of entries and
+(`kvsieve.runtime.storage.segments`), so heads, layers and sequences may keep different numbers of entries and
 evicted entries are really freed. Sliding-window layers keep `transformers`' own rolling window
-(`kvsieve.runtime.sliding.SlidingLayer`): no policy evicts them, they are copied and counted as they are.
+(`kvsieve.runtime.storage.sliding.SlidingLayer`): no policy evicts them, they are copied and counted as they are.
 Each entry remembers its cache position; the logical length (tokens seen) is kept apart from the
 stored length, so `model.generate()` and plain forwards place new tokens at their true positions.
 
@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..selection.architecture import layer_windows
+from ...modeling.architecture import layer_windows
+from ..compat import query_length
 from .codecs import FULL_PRECISION, EntryCodec
-from .compat import query_length
 from .layout import AttentionTally, QueryLog, RaggedLayout, Recorder, active_scope
 from .quantized_segments import Store, kept_store, store_from_dense
 from .segments import Slots
@@ -39,7 +39,7 @@ KeepIndices = Sequence[Sequence[Sequence[torch.Tensor]]]
 
 
 class Growth(Protocol):
-    """Bounds a cache while it grows (see `kvsieve.runtime.growth.BoundedGrowth`).
+    """Bounds a cache while it grows (see `kvsieve.runtime.eviction.growth.BoundedGrowth`).
 
     `queries` logs the recent queries its scorer reads; `accumulates` says whether its scorer reads
     the attention every entry received, which the cache then sums online.
@@ -60,7 +60,7 @@ class RaggedAttentionError(RuntimeError):
 class SievedLayer(CacheLayerMixin):
     """One layer of a `SievedCache`: the entries of every (row, kv-head) and the number of tokens seen.
 
-    `codec` says how entries are stored (`kvsieve.runtime.codecs`: full precision, or quantized).
+    `codec` says how entries are stored (`kvsieve.runtime.storage.codecs`: full precision, or quantized).
     """
 
     is_sliding = False
@@ -112,7 +112,7 @@ class SievedLayer(CacheLayerMixin):
         queries: QueryLog | None = None,
         tally: AttentionTally | None = None,
     ) -> RaggedLayout:
-        """What sieve attention must know about the tensors the last `update` returned (`kvsieve.runtime.layout`)."""
+        """What sieve attention must know about the tensors the last `update` returned (`storage.layout`)."""
         return RaggedLayout(self.slots, self.query_positions, self.contiguous, layer_idx, recorder, queries, tally)
 
     def get_seq_length(self) -> int:
@@ -381,7 +381,7 @@ class SievedCache(Cache):
                 full-attention layer (`full_layers[j]`); sliding-window layers keep their window.
             rows: the source sequence of each output row (default: row `i` from row `i`); a
                 sequence may appear several times, so one prefill becomes a batch of evictions.
-            codec: how the kept entries are stored (`kvsieve.runtime.codecs`; default: as they are).
+            codec: how the kept entries are stored (`kvsieve.runtime.storage.codecs`; default: as they are).
         """
         rows = list(range(len(keep))) if rows is None else list(rows)
         return SievedCache(self._kept_layers(keep, rows, copy_windows=True, codec=codec))

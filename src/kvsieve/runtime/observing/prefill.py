@@ -7,48 +7,47 @@ full-attention layer). One prefill serves every (policy, rate): it does not depe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..selection.errors import PolicyError, UnhookableModelError
-from ..selection.gates import RetentionGates
-from ..selection.observation import DEFAULT_WINDOW, Needs, Observation, Statistics
-from ..selection.rotary import Rotary, find_rotary
-from .attention import sieve_attention
-from .cache import SievedCache, SievedLayer
-from .compat import cache_argument
-from .inputs import check_input_ids, real_tokens
-from .kernels import observed_attention
-from .layout import RaggedLayout
+from ...modeling.errors import UnhookableModelError
+from ...modeling.rotary import Rotary, find_rotary
+from ...selection.errors import PolicyError
+from ...selection.observation import DEFAULT_WINDOW, LayerFacts, Needs, Observation, Statistics
+from ..attention.kernels import observed_attention
+from ..attention.sieve import sieve_attention
+from ..compat import cache_argument
+from ..inputs import check_input_ids, real_tokens
+from ..storage.cache import SievedCache, SievedLayer
+from ..storage.layout import RaggedLayout
+from .facts import layer_facts
 from .reconstruction import reconstruct
-from .statistics import needed_gates, output_projection
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
 class PrefillRecorder:
-    """Collects what a scorer `Needs` from every layer of an observed prefill, per sequence.
+    """Collects what a scorer `Needs` measured from every layer of an observed prefill, per sequence.
 
     Args:
         needs: what to record.
         real: `[rows, n]` bool, the real (non-padding) tokens of every sequence.
     """
 
-    def __init__(self, needs: Needs, real: torch.Tensor, gates: Mapping[str, RetentionGates] | None = None) -> None:
-        self.needs = needs
-        self.gates = gates or {}
+    def __init__(self, needs: Needs, real: torch.Tensor) -> None:
+        self.measures = needs.window_measures
         self.accumulate = needs.accumulated
         self.real = real
         self.padded = not bool(real.all())
         self.query_weight = real.float() if self.padded else None
         self.counts = real.sum(dim=1)
         window = min(needs.window, int(self.counts.min()))
-        # cache positions of each row's last `window` real tokens, and their token positions
+        # cache positions of each row's last `window` real tokens
         self.window_index = torch.stack([row.nonzero().flatten()[-window:] for row in real]) if window else None
         self.layers: dict[int, list[Statistics]] = {}
 
@@ -68,40 +67,26 @@ class PrefillRecorder:
             out, received = observed_attention(query, key, value, attention_mask, scaling, self.query_weight)
         else:
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)
-        self.record(layout.layer_idx, module, query, scaling, received)
+        self.record(layout.layer_idx, query, out.transpose(1, 2), received)
         return out
 
-    def record(
-        self,
-        layer_idx: int,
-        module: torch.nn.Module,
-        query: torch.Tensor,
-        scaling: float,
-        received: torch.Tensor | None,
-    ) -> None:
+    def record(self, layer_idx: int, query: torch.Tensor, output: torch.Tensor, received: torch.Tensor | None) -> None:
+        """Keep one layer's measures of the window queries (`query`, `output`: `[rows, q_heads, n, d]`) and the
+        attention each real entry received, per row."""
         if layer_idx in self.layers:
             raise RuntimeError(f"layer {layer_idx} was observed twice in one prefill")
-        weight = output_projection(module) if self.needs.output_projection else None
         rows = []
         for row in range(query.shape[0]):
-            window_queries = window_positions = None
+            window, window_positions = {}, None
             if self.window_index is not None:
-                window_queries = query[row][:, self.window_index[row]].float()
-                window_positions = torch.arange(int(self.counts[row]), device=query.device)[-window_queries.shape[1] :]
+                index = self.window_index[row]
+                ran = query[row : row + 1, :, index], output[row : row + 1, :, index]
+                window = {measure.name: measure.measure(*ran)[0] for measure in self.measures}
+                window_positions = torch.arange(int(self.counts[row]), device=query.device)[-index.shape[0] :]
             row_received = None
             if received is not None:
                 row_received = received[row][:, self.real[row]] if self.padded else received[row]
-            rows.append(
-                Statistics(
-                    scaling=scaling,
-                    q_heads=query.shape[1],
-                    window_queries=window_queries,
-                    window_positions=window_positions,
-                    received=row_received,
-                    output_weight=weight,
-                    gates=self.gates,
-                )
-            )
+            rows.append(Statistics(window=window, window_positions=window_positions, received=row_received))
         self.layers[layer_idx] = rows
 
 
@@ -154,7 +139,7 @@ def observe_prefill(
         needs: what to record besides the entries (default: the last `DEFAULT_WINDOW` queries).
         attention_mask: `[rows, n]`, 1 for real tokens and 0 for padding.
         tokenizer: the model's, when `needs.reconstruction` asks the model to repeat its context
-            (`kvsieve.runtime.reconstruction`: a second pass over the context after the prefill).
+            (`kvsieve.runtime.observing.reconstruction`: a second pass over the context after the prefill).
     """
     needs = Needs(window=DEFAULT_WINDOW) if needs is None else needs
     if needs.window < 0:
@@ -166,7 +151,7 @@ def observe_prefill(
             "kvzip asks the model to repeat the prompt after it, which needs its tokenizer: "
             "compress(model, ids, 'kvzip', rate=..., tokenizer=tokenizer), or tokenizer= to generate()"
         )
-    recorder = PrefillRecorder(needs, real, needed_gates(model, needs))
+    recorder = PrefillRecorder(needs, real)
     cache = SievedCache.for_model(model)
     cache.recorder = recorder
     inputs = {"input_ids": input_ids, **cache_argument(model, cache), "use_cache": True}
@@ -190,10 +175,13 @@ def observe_prefill(
                 replace(s, reconstructed=most[i][row][:, real[row]]) for row, s in enumerate(recorder.layers[i])
             ]
     rotary = find_rotary(model) if needs.rotary and full else None
+    facts = layer_facts(model, needs)
     entries = [row.nonzero().flatten() if recorder.padded else None for row in real]
     observations = [
         [
-            _prefill_observation(cache.layers[i], row, entries[row], recorder.layers[i][row], i, num_layers, rotary)
+            _prefill_observation(
+                cache.layers[i], row, entries[row], i, num_layers, facts[i], recorder.layers[i][row], rotary
+            )
             for i in full
         ]
         for row in range(input_ids.shape[0])
@@ -205,9 +193,10 @@ def _prefill_observation(
     layer: SievedLayer,
     row: int,
     entries: torch.Tensor | None,
-    stats: Statistics,
     layer_idx: int,
     num_layers: int,
+    facts: LayerFacts,
+    stats: Statistics,
     rotary: Rotary | None,
 ) -> Observation:
     """The observation of one row's real tokens in a freshly prefilled (strided, unevicted) layer."""
@@ -216,4 +205,4 @@ def _prefill_observation(
     if entries is not None:
         keys, values = keys[:, entries], values[:, entries]
     positions = torch.arange(keys.shape[1], device=keys.device).expand(keys.shape[0], -1)
-    return Observation(layer_idx, num_layers, keys, values, positions, None, stats, rotary)
+    return Observation(layer_idx, num_layers, keys, values, positions, None, facts, stats, rotary)

@@ -1,7 +1,7 @@
 """Ragged storage of one cache layer: one segment of entries per (sequence, kv-head), packed in flat buffers.
 
 Segment `s = row * heads + head` owns rows `[starts[s], starts[s] + lengths[s])` of the flat
-buffers: the entries' keys and values as the layer's codec stores them (`kvsieve.runtime.codecs`:
+buffers: the entries' keys and values as the layer's codec stores them (`kvsieve.runtime.storage.codecs`:
 the tensors themselves, or quantized codes and their scales; one row per entry, `data`) and their
 cache positions `[capacity]`.
 A segment may have free room after its entries (`capacity[s] - lengths[s]`), handed out when

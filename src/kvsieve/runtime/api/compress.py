@@ -8,21 +8,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..selection.architecture import layer_windows
-from ..selection.budget import Budget, Rate, SizeBudget, check_count, make_budget
-from ..selection.errors import PolicyError
-from ..selection.policy import Policy
-from ..selection.projection import MISSING_SPANS
-from ..selection.protection import question_protection
-from ..selection.spec import make_policy
-from .attention import sieve_attention
-from .cache import SievedCache
-from .codecs import EntryCodec, residual_nbytes, storage_codec, stored_entry_bytes
-from .compat import cache_argument
-from .growth import DEFAULT_BUFFER, BoundedGrowth
-from .inputs import check_input_ids, protected_positions
-from .prefill import Prefill, observe_prefill
-from .reconstruction import reconstruct
+from ...modeling.architecture import layer_windows
+from ...selection.budget import Budget, Rate, SizeBudget, check_count, make_budget
+from ...selection.errors import PolicyError
+from ...selection.policy import Policy
+from ...selection.projection import MISSING_SPANS
+from ...selection.protection import question_protection
+from ...selection.spec import make_policy
+from ..attention.sieve import sieve_attention
+from ..compat import cache_argument
+from ..eviction.growth import DEFAULT_BUFFER, BoundedGrowth
+from ..inputs import check_input_ids, protected_positions
+from ..observing.prefill import Prefill, observe_prefill
+from ..observing.reconstruction import reconstruct
+from ..storage.cache import SievedCache
+from ..storage.codecs import EntryCodec, residual_nbytes, storage_codec, stored_entry_bytes
 
 BUFFER_NEEDS_SIZE = "buffer and chunk bound a size budget (max_tokens or max_bytes); a rate has no size"
 NOT_RECONSTRUCTED = (
@@ -67,9 +67,6 @@ def compress(
     question_ids: torch.Tensor | None = None,
     protect_positions: Sequence[int] | torch.Tensor | None = None,
     spans: torch.Tensor | None = None,
-    kv_bits: int = 16,
-    kv_group: int | None = None,
-    kv_residual: int | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
     **policy_params: object,
 ) -> SievedCache:
@@ -79,7 +76,7 @@ def compress(
     (default 0.5); `max_tokens`, the entries each sequence keeps per (layer, kv-head) on average,
     protected ones included; `max_bytes`, the bytes of keys and values each sequence keeps. With
     `buffer`, a size budget also holds while the cache grows: decoding evicts back to it whenever
-    `buffer` more tokens per (layer, kv-head) have come in (`kvsieve.runtime.growth`). With `chunk`,
+    `buffer` more tokens per (layer, kv-head) have come in (`kvsieve.runtime.eviction.growth`). With `chunk`,
     the prompt itself is prefilled `chunk` tokens at a time and evicted back to the size budget
     before each next chunk and after the last, so it never holds more than budget + chunk.
 
@@ -103,7 +100,7 @@ def compress(
         max_tokens: entries kept per (layer, kv-head) on average; the allocator decides the split.
         max_bytes: bytes of keys and values kept per sequence (all layers).
         buffer: with a size budget, keep it during decoding: tokens per (layer, kv-head) the cache
-            grows past it before it is evicted again (`kvsieve.runtime.growth.DEFAULT_BUFFER` is 64).
+            grows past it before it is evicted again (`kvsieve.runtime.eviction.growth.DEFAULT_BUFFER` is 64).
         chunk: with a size budget, prefill this many tokens at a time (unpadded prompts).
         attention_mask: `[batch, tokens]`, 1 for real tokens and 0 for padding.
         allocator: ``uniform``, ``pyramid``, ``adaptive`` or ``global``, if `policy` names none.
@@ -115,20 +112,19 @@ def compress(
             sequence's real tokens, the same for every row) or `[batch, tokens]` (the shape of
             `input_ids`, padding columns ignored). Positions past the spans (a question, generated
             tokens) are spans of their own. Other projections ignore it.
-        kv_bits: bits per number the kept entries are stored in: 16 (the model's dtype), 8, 4 or 2
-            (`kvsieve.runtime.codecs.Quantized`: each key and value on its own, a scale and a minimum per
-            `kv_group` channels, default 32), the newest `kv_residual` (default 32) of every (row,
-            kv-head) in full precision; `max_bytes` counts those bytes. The prefill and its scoring read
-            the entries as computed; later forwards read them back quantized. The spec may say them too
-            (``"snapkv:kv_bits=4"``); a value here that contradicts the spec's is an error, and the defaults
-            (16, None) leave the spec's.
         tokenizer: the model's tokenizer, for a scorer that asks the model to repeat the prompt (``kvzip``).
-        policy_params: scorer and allocator parameters, the protection (`n_sink`, `n_recent`) and the
-            projection (`projection`: ``topk``, ``chunk``, ``sentence``; `chunk_size` for ``chunk``).
+        policy_params: scorer and allocator parameters, the protection (`n_sink`, `n_recent`), the
+            projection (`projection`: ``topk``, ``chunk``, ``sentence``; `chunk_size` for ``chunk``) and the
+            storage of the kept entries (`kvsieve.selection.storage.Storage`): `kv_bits` per number, 16 (the
+            model's dtype), 8, 4 or 2 (integer codes, a scale and a minimum per `kv_group` channels, default
+            32), or `kv_codec="fp8"` (float8 e4m3, a scale per `kv_group` channels); the newest `kv_residual`
+            (default 32) of every (row, kv-head) stay in full precision, and `max_bytes` counts the bytes as
+            stored. The prefill and its scoring read the entries as computed; later forwards read them back
+            decoded. The spec may say them too (``"snapkv:kv_bits=4"``); a value here that contradicts the
+            spec's is an error.
     """
     budget = make_budget(rate, max_tokens, max_bytes)
-    storage = {"kv_bits": kv_bits, "kv_group": kv_group, "kv_residual": kv_residual}
-    resolved = make_policy(policy, allocator, **storage, **policy_params)
+    resolved = make_policy(policy, allocator, **policy_params)
     return compress_with(
         model,
         input_ids,
@@ -187,6 +183,7 @@ def compress_with(
     kept = _kept_per_row(prefill, policy, budget, protect_positions, row_spans, codec)
     cache = prefill.cache.keep(kept, codec=codec)
     if growth is not None:
+        growth.evicted(cache)
         if chunk is not None and input_ids.shape[1] > chunk:
             _feed_chunks(model, cache, growth, input_ids, chunk, tokenizer)
         cache.growth = None if buffer is None else dataclasses.replace(growth, buffer=buffer)
@@ -330,9 +327,6 @@ def bounded_cache(
     max_bytes: int | None = None,
     buffer: int = DEFAULT_BUFFER,
     allocator: str | None = None,
-    kv_bits: int = 16,
-    kv_group: int | None = None,
-    kv_residual: int | None = None,
     **policy_params: object,
 ) -> SievedCache:
     """An empty cache that holds a size budget from its first token on: feed it a stream of any length.
@@ -345,16 +339,14 @@ def bounded_cache(
     by the difference until the next eviction.
 
     Args:
-        policy, allocator, policy_params: as for `compress`.
+        policy, allocator, policy_params: as for `compress` (the storage keys included: entries are stored
+            so from the first token).
         max_tokens, max_bytes: the size (one of them), as for `compress`.
         buffer: entries per (layer, kv-head) the cache grows past the budget before it is evicted.
-        kv_bits, kv_group, kv_residual: how entries are stored, as for `compress` (from the first token; the
-            spec may say them).
     """
     if max_tokens is None and max_bytes is None:
         raise PolicyError("a bounded cache needs a size: max_tokens or max_bytes")
-    storage = {"kv_bits": kv_bits, "kv_group": kv_group, "kv_residual": kv_residual}
-    resolved = make_policy(policy, allocator, **storage, **policy_params)
+    resolved = make_policy(policy, allocator, **policy_params)
     budget = make_budget(None, max_tokens, max_bytes)
     return bounded_cache_with(model, resolved, budget, buffer)
 

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..selection.observation import Reconstruction
-from .attention import sieve_attention, visibility
-from .cache import SievedCache
-from .compat import cache_argument
-from .layout import RaggedLayout
+from ...selection.observation import Reconstruction
+from ..attention.sieve import sieve_attention, visibility
+from ..compat import cache_argument
+from ..storage.cache import SievedCache
+from ..storage.layout import RaggedLayout
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -6,15 +6,15 @@ from collections.abc import Sequence
 
 import torch
 
-from ..selection.budget import make_budget
-from ..selection.errors import PolicyError
-from ..selection.policy import Policy
-from ..selection.spec import make_policy, policy_keywords
-from .attention import sieve_attention
-from .cache import SievedCache
-from .compat import cache_argument
+from ...selection.budget import make_budget
+from ...selection.errors import PolicyError
+from ...selection.policy import Policy
+from ...selection.spec import make_policy, policy_keywords
+from ..attention.sieve import sieve_attention
+from ..compat import cache_argument
+from ..inputs import check_input_ids
+from ..storage.cache import SievedCache
 from .decoding import PromptOptions, generate_compressed, refuse_beams
-from .inputs import check_input_ids
 
 
 def generate(
@@ -33,20 +33,17 @@ def generate(
     question_ids: torch.Tensor | None = None,
     protect_positions: Sequence[int] | torch.Tensor | None = None,
     spans: torch.Tensor | None = None,
-    kv_bits: int = 16,
-    kv_group: int | None = None,
-    kv_residual: int | None = None,
     **kwargs: object,
 ) -> torch.Tensor:
     """Generate from a compressed cache under sieve attention.
 
     Without `cache`: everything but the last token of the prompt `input_ids` is compressed with
     `policy` and the budget, with `kvsieve.compress`'s keywords (`allocator`, `chunk`, `protect_positions`,
-    `spans`, the storage `kv_bits`, `kv_group`, `kv_residual`, and policy parameters such as `window=16`;
+    `spans`, and policy parameters such as `window=16` or the storage keys `kv_bits`, `kv_codec`, ...;
     with `buffer`, a size budget also holds while generating), then `model.generate` runs; returns the
     prompt followed by the new tokens. With `question_ids` the prompt is `input_ids` then the question,
     compressed question-aware (the question stays protected). The rule for prompts too short to evict is
-    `kvsieve.apply`'s (`kvsieve.runtime.decoding`): under a rate they are generated from the model's own cache.
+    `kvsieve.apply`'s (`kvsieve.runtime.api.decoding`): under a rate they are generated from the model's own cache.
 
     With `cache` (from `kvsieve.compress`, one sequence): `input_ids` `[1, n]` are only the tokens
     after what the cache has seen (at least one: the next token to feed); returns them followed by
@@ -58,6 +55,8 @@ def generate(
     run on a compressed cache.
     """
     params = {key: kwargs.pop(key) for key in list(kwargs) if key in policy_keywords()}
+    if params.get("kv_bits") == 16:  # the model's own dtype: what no storage key says
+        del params["kv_bits"]
     if cache is not None:
         compression = {
             "policy": None if policy == "importance" else policy,
@@ -71,18 +70,14 @@ def generate(
             "question_ids": question_ids,
             "protect_positions": protect_positions,
             "spans": spans,
-            "kv_bits": None if kv_bits == 16 else kv_bits,
-            "kv_group": kv_group,
-            "kv_residual": kv_residual,
         }
         given = [key for key, value in (compression | params).items() if value is not None]
         return _continue(model, input_ids, cache, given, kwargs)
-    storage = {"kv_bits": kv_bits, "kv_group": kv_group, "kv_residual": kv_residual}
     out, _ = generate_compressed(
         model,
         model.generate,
         input_ids,
-        make_policy(policy, allocator, **storage, **params),
+        make_policy(policy, allocator, **params),
         make_budget(rate, max_tokens, max_bytes),
         buffer,
         attention_mask=attention_mask,

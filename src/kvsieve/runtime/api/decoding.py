@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..selection.budget import Budget, Rate
-from ..selection.errors import PolicyError
-from ..selection.policy import Policy
-from ..selection.projection import MISSING_SPANS
-from .attention import sieve_attention
-from .cache import SievedCache
-from .codecs import FULL_PRECISION, EntryCodec, storage_codec
-from .compat import cache_argument
+from ...selection.budget import Budget, Rate
+from ...selection.errors import PolicyError
+from ...selection.policy import Policy
+from ...selection.projection import MISSING_SPANS
+from ..attention.sieve import sieve_attention
+from ..compat import cache_argument
+from ..inputs import check_input_ids, protected_positions, real_tokens
+from ..storage.cache import SievedCache
+from ..storage.codecs import EntryCodec, storage_codec
 from .compress import BUFFER_NEEDS_SIZE, bounded_cache_with, compress_with
-from .inputs import check_input_ids, protected_positions, real_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -104,7 +104,7 @@ def compressed_prompt(
     if question_ids is None or question_ids.shape[-1] == 1:
         context -= 1  # the last token of the context is the one `generate` feeds first
     if not budget.is_size and context <= policy.n_sink + policy.n_recent:
-        if codec == FULL_PRECISION or context < 1:
+        if codec.lossless or context < 1:
             return None
         budget = Rate(0.0)  # nothing to evict, but the entries are stored as asked
     if budget.is_size and context < 1:

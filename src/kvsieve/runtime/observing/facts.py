@@ -1,13 +1,13 @@
-"""What every observation of a layer states, read from the model: softmax scale, query heads, `W_o`, gates."""
+"""What the model fixes about every layer, read from it: softmax scale, query heads, `W_o`, retention gates."""
 
 from __future__ import annotations
 
 import torch
 
-from ..selection.architecture import attention_module, decoder_layers
-from ..selection.checkpoint import load_gates
-from ..selection.gates import RetentionGates
-from ..selection.observation import Needs, Statistics
+from ...modeling.architecture import attention_module, decoder_layers
+from ...modeling.gates import RetentionGates
+from ...selection.checkpoint import load_gates
+from ...selection.observation import LayerFacts, Needs
 
 
 def needed_gates(model: torch.nn.Module, needs: Needs) -> dict[str, RetentionGates]:
@@ -29,15 +29,15 @@ def output_projection(module: torch.nn.Module) -> torch.Tensor:
     raise ValueError(f"{type(module).__name__} has no output projection ({names}), which the scorer needs")
 
 
-def layer_statistics(model: torch.nn.Module, needs: Needs | None = None) -> list[Statistics]:
-    """Per layer (sliding-window ones included), what every observation states (softmax scale, query heads)
-    and the output projection and retention gates if needed."""
+def layer_facts(model: torch.nn.Module, needs: Needs | None = None) -> list[LayerFacts]:
+    """Per layer (sliding-window ones included): softmax scale and query heads, and the output projection and
+    retention gates if `needs` says so."""
     needs = Needs() if needs is None else needs
     gates = needed_gates(model, needs)
     q_heads = model.config.get_text_config(decoder=True).num_attention_heads
     modules = [attention_module(layer) for layer in decoder_layers(model)]
     return [
-        Statistics(
+        LayerFacts(
             scaling=module.scaling,
             q_heads=q_heads,
             output_weight=output_projection(module) if needs.output_projection else None,

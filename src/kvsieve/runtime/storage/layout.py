@@ -26,8 +26,8 @@ from .segments import Slots
 
 
 class Recorder(Protocol):
-    """Runs one layer's attention of an observed forward and keeps what it saw (`kvsieve.runtime.prefill`,
-    `kvsieve.runtime.reconstruction`)."""
+    """Runs one layer's attention of an observed forward and keeps what it saw (`kvsieve.runtime.observing.prefill`,
+    `kvsieve.runtime.observing.reconstruction`)."""
 
     def attend(
         self,
@@ -44,9 +44,11 @@ class Recorder(Protocol):
 
 
 class QueryLog(Protocol):
-    """Receives every decoding forward's queries, layer by layer (see `kvsieve.runtime.growth.RecentQueries`)."""
+    """Receives every forward's queries and their outputs, layer by layer (see `eviction.growth.RecentWindow`)."""
 
-    def append(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor) -> None: ...
+    def append(self, layer_idx: int, query: torch.Tensor, output: torch.Tensor, positions: torch.Tensor) -> None:
+        """`query [rows, q_heads, q, d]`, its attention `output [rows, q_heads, q, dv]`, cache `positions [q]`."""
+        ...
 
 
 class AttentionTally(Protocol):

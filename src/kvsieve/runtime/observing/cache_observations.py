@@ -7,34 +7,36 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..selection.observation import Observation, Statistics
-from ..selection.rotary import Rotary
-from .cache import SievedCache
-from .segments import PAD_POSITION
-from .statistics import layer_statistics
+from ...modeling.rotary import Rotary
+from ...selection.observation import NOTHING_MEASURED, LayerFacts, Observation, Statistics
+from ..storage.cache import SievedCache
+from ..storage.segments import PAD_POSITION
+from .facts import layer_facts
 
 
 def cached_observations(
     cache: SievedCache,
-    layers: Sequence[Statistics],
+    facts: Sequence[LayerFacts],
     row: int = 0,
     rotary: Rotary | None = None,
+    recorded: Mapping[int, Statistics] | None = None,
     reconstructed: Mapping[int, torch.Tensor] | None = None,
 ) -> list[Observation]:
     """Observations of the entries a (possibly evicted) cache holds for one sequence, one per full-attention layer.
 
-    Every kv-head has its own entries, padded to the longest and marked by `valid`; `layers` gives
-    every layer's `Statistics` (`layer_statistics`, recent queries added by the caller). The attention
+    Every kv-head has its own entries, padded to the longest and marked by `valid`; `facts` gives every
+    layer's `LayerFacts` (`layer_facts`), `recorded` per layer what its recent queries yielded. The attention
     each entry received is read from the cache when it keeps it (a bounded cache whose scorer
     accumulates). `reconstructed`: per layer, `[rows, q_heads, positions]` the most attention each cache
-    position got while the model repeated its context (`kvsieve.runtime.reconstruction.reconstruct`).
+    position got while the model repeated its context (`kvsieve.runtime.observing.reconstruction.reconstruct`).
     Nothing is recomputed: a scorer that reads what is neither given nor kept raises a clear error.
     """
-    if len(layers) != len(cache.layers):
-        raise ValueError(f"got statistics of {len(layers)} layers for a cache of {len(cache.layers)}")
+    if len(facts) != len(cache.layers):
+        raise ValueError(f"got the facts of {len(facts)} layers for a cache of {len(cache.layers)}")
     observations = []
     for idx in cache.full_layers:
-        layer, stats = cache.layers[idx], layers[idx]
+        layer = cache.layers[idx]
+        stats = NOTHING_MEASURED if recorded is None else recorded[idx]
         segments = layer.segments
         view = segments.padded()
         positions = view.slots.positions()[row]
@@ -53,6 +55,7 @@ def cached_observations(
                 view.values[row],
                 positions,
                 valid,
+                facts[idx],
                 stats,
                 rotary,
                 seen=layer.seen_tokens,
@@ -62,8 +65,8 @@ def cached_observations(
 
 
 def observe_cache(model: torch.nn.Module, cache: SievedCache, row: int = 0) -> list[Observation]:
-    """`cached_observations` of one sequence of `cache`, with the layer statistics read from `model`."""
-    return cached_observations(cache, layer_statistics(model), row)
+    """`cached_observations` of one sequence of `cache`, with the layer facts read from `model`."""
+    return cached_observations(cache, layer_facts(model), row)
 
 
 def _by_column(by_position: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

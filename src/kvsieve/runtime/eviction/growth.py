@@ -10,8 +10,9 @@ one copy of the kept ones; between evictions, nothing.
 
 Scorers run on what the cache holds plus what they declared (`Needs`), kept up to date at a cost
 per step and layer only when asked for:
-- recent queries (`RecentQueries`: the prefill's last `window` queries, then every later query,
-  per layer and row): one copy of the query (`window`, `snapkv`, `tova`, `caote`, `critical`, `expected`);
+- recent queries (`RecentWindow`: the prefill's last `window` queries, then every later query,
+  per layer and row): one copy of the query (`window`, `snapkv`, `tova`, `caote`, `critical`, `expected`),
+  and of whatever else a scorer declared each query yields (`Needs.measures`: `dropkv`'s attention outputs);
 - attention accumulated online (`h2o`, `importance`, `vatp`): every query adds the attention it paid
   to every stored entry to that entry's sums (`Segments.received`, one float per entry and query
   head, seeded from the prefill and evicted with the entry). Sieve attention then computes the
@@ -22,70 +23,103 @@ per step and layer only when asked for:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ..selection.budget import SizeBudget, check_count
-from ..selection.errors import PolicyError
-from ..selection.observation import Observation, Statistics
-from ..selection.policy import Policy
-from ..selection.projection import MISSING_SPANS
-from ..selection.rotary import Rotary, find_rotary
-from .cache import SievedCache
-from .cache_observations import cached_observations
-from .prefill import Prefill
-from .statistics import layer_statistics
+from ...modeling.rotary import Rotary, find_rotary
+from ...selection.budget import SizeBudget, check_count
+from ...selection.errors import PolicyError
+from ...selection.observation import QUERIES, LayerFacts, Observation, QueryMeasure, Statistics, causal_attention
+from ...selection.policy import Policy
+from ...selection.projection import MISSING_SPANS
+from ..observing.cache_observations import cached_observations
+from ..observing.facts import layer_facts
+from ..observing.prefill import Prefill
+from ..storage.cache import SievedCache
+from ..storage.segments import PAD_POSITION, PaddedView
 
 #: Tokens a bounded cache may grow past its budget before it is evicted back to it.
 DEFAULT_BUFFER = 64
 
 
-class RecentQueries:
-    """The last `window` queries (after RoPE, float32) of every layer and row, and their cache positions."""
+class RecentWindow:
+    """What the last `window` queries of every layer and row yielded (`Needs.window_measures`: the queries, after
+    RoPE, and any declared measure), and their cache positions."""
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, measures: Sequence[QueryMeasure]) -> None:
         self.window = window
-        self.queries: dict[int, torch.Tensor] = {}  # layer -> [rows, q_heads, w, d]
+        self.measures = tuple(measures)
+        self.held: dict[int, dict[str, torch.Tensor]] = {}  # layer -> name -> [rows, q_heads, w, k]
         self.positions: dict[int, torch.Tensor] = {}  # layer -> [rows, w]
 
+    @property
+    def queries(self) -> dict[int, torch.Tensor]:
+        """Per layer, the recent queries `[rows, q_heads, w, d]`."""
+        return {layer: held[QUERIES.name] for layer, held in self.held.items()}
+
     def seed(self, prefill: Prefill) -> None:
-        """Start from the last queries an observed prefill recorded (positions become cache positions)."""
+        """Start from what an observed prefill recorded of its last queries (positions become cache positions)."""
         for column, observed in enumerate(prefill.observations[0]):
-            layer = observed.layer_idx
             stats = [observations[column].stats for observations in prefill.observations]
-            self.queries[layer] = torch.stack([s.window_queries for s in stats])
-            self.positions[layer] = torch.stack(
+            self.held[observed.layer_idx] = {
+                m.name: torch.stack([s.window[m.name] for s in stats]) for m in self.measures
+            }
+            self.positions[observed.layer_idx] = torch.stack(
                 [
                     s.window_positions if entries is None else entries[s.window_positions]
                     for s, entries in zip(stats, prefill.entries, strict=True)
                 ]
             )
 
-    def append(self, layer_idx: int, query: torch.Tensor, positions: torch.Tensor) -> None:
-        """Log a forward's queries `[rows, q_heads, q, d]` at cache positions `[q]`, keeping the last `window`."""
+    def append(self, layer_idx: int, query: torch.Tensor, output: torch.Tensor, positions: torch.Tensor) -> None:
+        """Log a forward's measures of `query [rows, q_heads, q, d]` and `output` at cache positions `[q]`, keeping
+        the last `window`."""
         rows = query.shape[0]
-        if layer_idx not in self.queries:  # a cache that started empty
-            self.queries[layer_idx] = query.new_empty(rows, query.shape[1], 0, query.shape[-1], dtype=torch.float32)
+        measured = {m.name: m.measure(query, output) for m in self.measures}
+        if layer_idx not in self.held:  # a cache that started empty
+            self.held[layer_idx] = {name: value[:, :, :0] for name, value in measured.items()}
             self.positions[layer_idx] = positions.new_empty(rows, 0)
-        held = self.queries[layer_idx]
-        if rows != held.shape[0]:
+        held = self.held[layer_idx]
+        if rows != self.positions[layer_idx].shape[0]:
             raise ValueError(
-                f"the bounded cache logs queries of {held.shape[0]} sequence(s), got {query.shape[0]}; "
+                f"the bounded cache logs queries of {self.positions[layer_idx].shape[0]} sequence(s), got {rows}; "
                 "rows cannot be added or reordered (beam search, num_return_sequences) on a bounded cache"
             )
-        self.queries[layer_idx] = torch.cat([held, query.detach().float()], dim=2)[:, :, -self.window :]
+        self.held[layer_idx] = {
+            name: torch.cat([held[name], value], dim=2)[:, :, -self.window :] for name, value in measured.items()
+        }
         self.positions[layer_idx] = torch.cat(
-            [self.positions[layer_idx], positions.to(held.device).expand(rows, -1)], dim=1
+            [self.positions[layer_idx], positions.to(self.positions[layer_idx].device).expand(rows, -1)], dim=1
         )[:, -self.window :]
 
-    def statistics(self, layer_idx: int, row: int, base: Statistics) -> Statistics:
-        """`base` with the layer's recent queries of `row`."""
-        return dataclasses.replace(
-            base, window_queries=self.queries[layer_idx][row], window_positions=self.positions[layer_idx][row]
-        )
+    def refresh(self, cache: SievedCache, facts: Sequence[LayerFacts]) -> None:
+        """Measure again what reads the attention output, on each window query's output over the entries `cache`
+        holds now (after an eviction)."""
+        stale = [m for m in self.measures if m.reads_output]
+        for idx, held in self.held.items() if stale else ():
+            queries = held[QUERIES.name]
+            output = window_outputs(queries, self.positions[idx], cache.layers[idx].segments.padded(), facts[idx])
+            for measure in stale:
+                held[measure.name] = measure.measure(queries, output)
+
+    def statistics(self, layer_idx: int, row: int) -> Statistics:
+        """What the layer's recent queries of `row` yielded."""
+        window = {name: value[row] for name, value in self.held[layer_idx].items()}
+        return Statistics(window=window, window_positions=self.positions[layer_idx][row])
+
+
+def window_outputs(queries: torch.Tensor, positions: torch.Tensor, view: PaddedView, facts: LayerFacts) -> torch.Tensor:
+    """`[rows, q_heads, w, dv]` the attention outputs of `queries [rows, q_heads, w, d]` at cache `positions
+    [rows, w]` over the entries of `view`, each query seeing those at or before its position (float32)."""
+    entry_positions, group = view.slots.positions(), queries.shape[1] // view.keys.shape[1]
+    outputs = []
+    for row in range(queries.shape[0]):
+        keys, values, at = (t[row].repeat_interleave(group, dim=0) for t in (view.keys, view.values, entry_positions))
+        attention = causal_attention(queries[row], positions[row], keys, at, facts.scaling, at != PAD_POSITION)
+        outputs.append(attention @ values.float())
+    return torch.stack(outputs)
 
 
 @dataclass(frozen=True)
@@ -96,8 +130,8 @@ class BoundedGrowth:
         policy: scores and allocates, as for the prefill.
         budget: the size (`MaxTokens` or `MaxBytes`) of every sequence.
         buffer: entries per (layer, kv-head) the cache grows past the budget before it is evicted.
-        layers: each layer's `Statistics` (`kvsieve.runtime.statistics.layer_statistics`).
-        queries: the recent queries the policy's scorer reads (None if it reads none).
+        facts: each layer's `LayerFacts` (`kvsieve.runtime.observing.facts.layer_facts`).
+        queries: what the recent queries yielded that the policy's scorer reads (None if it reads none).
         rotary: the model's rotary embedding, if the scorer reads it.
         protect: cache positions never evicted (a question), besides the policy's sinks and window.
         spans: per sequence, the span id of every cache position (``projection=sentence``; positions
@@ -107,8 +141,8 @@ class BoundedGrowth:
     policy: Policy
     budget: SizeBudget
     buffer: int
-    layers: Sequence[Statistics]
-    queries: RecentQueries | None = None
+    facts: Sequence[LayerFacts]
+    queries: RecentWindow | None = None
     rotary: Rotary | None = None
     protect: torch.Tensor | None = None
     spans: Sequence[torch.Tensor] | None = None
@@ -135,13 +169,13 @@ class BoundedGrowth:
     ) -> BoundedGrowth:
         """A bounded growth that keeps what the policy's scorer reads (`start` it from a prefill, if any)."""
         needs = policy.needs
-        queries = RecentQueries(needs.window) if needs.window else None
+        queries = RecentWindow(needs.window, needs.window_measures) if needs.window else None
         rotary = find_rotary(model) if needs.rotary else None
         spans = None if spans is None else tuple(spans)
-        return cls(policy, budget, buffer, layer_statistics(model, needs), queries, rotary, protect, spans)
+        return cls(policy, budget, buffer, layer_facts(model, needs), queries, rotary, protect, spans)
 
     def start(self, prefill: Prefill) -> None:
-        """Take the recent queries and the attention sums from the prefill the cache is compressed from.
+        """Take the recent queries' measures and the attention sums from the prefill the cache is compressed from.
 
         Call it before the prefill's cache is evicted: the sums then move with the kept entries.
         """
@@ -175,16 +209,21 @@ class BoundedGrowth:
             observations = self.observations(cache, row, reconstructed)
             keep.append(self.policy.select(observations, budget, self.protect, spans, stored))
         cache.evict(keep)
+        self.evicted(cache)
+
+    def evicted(self, cache: SievedCache) -> None:
+        """Keep what the scorer reads valid for the entries `cache` holds after an eviction."""
+        if self.queries is not None:
+            self.queries.refresh(cache, self.facts)
 
     def observations(
         self, cache: SievedCache, row: int, reconstructed: Mapping[int, torch.Tensor] | None = None
     ) -> list[Observation]:
-        """What the scorer reads for one sequence: the entries the cache holds and the recent queries."""
-        layers = list(self.layers)
+        """What the scorer reads for one sequence: the entries the cache holds and the recent queries' measures."""
+        recorded = None
         if self.queries is not None:
-            for idx in cache.full_layers:
-                layers[idx] = self.queries.statistics(idx, row, layers[idx])
-        return cached_observations(cache, layers, row, self.rotary, reconstructed)
+            recorded = {idx: self.queries.statistics(idx, row) for idx in cache.full_layers}
+        return cached_observations(cache, self.facts, row, self.rotary, recorded, reconstructed)
 
 
 def seed_received(prefill: Prefill) -> None:

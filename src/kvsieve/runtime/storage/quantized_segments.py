@@ -1,6 +1,6 @@
-"""Quantized storage with a full-precision residual: old entries as codes, the newest of every segment as computed.
+"""Lossy storage with a full-precision residual: old entries as codes, the newest of every segment as computed.
 
-A layer whose codec quantizes (`kvsieve.runtime.codecs.Quantized`) keeps its entries in two parts:
+A layer whose codec is lossy (`EntryCodec.lossless` false: integer codes, float8) keeps its entries in two parts:
 the *body*, a `Segments` of codes, and the *residual*, the newest `codec.residual` entries of every
 (row, kv-head) in the model's dtype (KIVI's full-precision residual, arXiv 2402.02750), one grid
 `[rows, heads, n, d]`. Appends go to the residual; entries that age out of it move to the body,
@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..selection.errors import PolicyError
-from .codecs import EntryCodec, Quantized
+from ...selection.errors import PolicyError
+from .codecs import EntryCodec
 from .segments import PAD_POSITION, Entries, PaddedView, Segments, Slots
 
 
@@ -106,12 +106,12 @@ class QuantizedSegments:
 
     def __init__(self, body: Segments, residual: Residual) -> None:
         self.body = body
-        self.codec: Quantized = body.codec
+        self.codec: EntryCodec = body.codec
         self.residual = residual
 
     @classmethod
     def from_dense(
-        cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, codec: Quantized
+        cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, codec: EntryCodec
     ) -> tuple[QuantizedSegments, PaddedView]:
         """Store `[rows, heads, n, d]` states at cache positions `[n]` (the newest `codec.residual` as they are), and
         the view the forward that computed them reads (every one as computed)."""
@@ -260,7 +260,7 @@ class QuantizedSegments:
         return self._view(body, moving)
 
     def select(
-        self, sources: Sequence[int], indices: Sequence[torch.Tensor], rows: int, codec: Quantized | None = None
+        self, sources: Sequence[int], indices: Sequence[torch.Tensor], rows: int, codec: EntryCodec | None = None
     ) -> QuantizedSegments:
         """New storage: output segment `i` keeps entries `indices[i]` (body first, then residual) of `sources[i]`.
 
@@ -287,7 +287,7 @@ def _assembled(
     body_kept: Sequence[torch.Tensor],
     residual: Sequence[Entries],
     rows: int,
-    codec: Quantized,
+    codec: EntryCodec,
 ) -> QuantizedSegments:
     """Quantized storage of entries `body_kept[i]` of `body`'s segment `sources[i]`, then `residual[i]` (full
     precision): a residual if every output keeps as many, else quantized into the body after its own."""
@@ -303,7 +303,7 @@ def _assembled(
 
 
 def stored_quantized(
-    source: Segments, sources: Sequence[int], indices: Sequence[torch.Tensor], rows: int, codec: Quantized
+    source: Segments, sources: Sequence[int], indices: Sequence[torch.Tensor], rows: int, codec: EntryCodec
 ) -> QuantizedSegments:
     """The kept entries of full-precision `source` stored by `codec` (compressing a prefill into fewer bits): those
     among each segment's newest `codec.residual` stay in full precision (see `QuantizedSegments.select`)."""
@@ -316,7 +316,7 @@ def stored_quantized(
     return _assembled(source, sources, body_kept, residual, rows, codec)
 
 
-#: How a cache layer stores its entries: in full precision (`Segments`) or quantized (`QuantizedSegments`).
+#: How a cache layer stores its entries: in full precision (`Segments`) or lossy (`QuantizedSegments`).
 Store = Segments | QuantizedSegments
 
 
@@ -325,7 +325,7 @@ def store_from_dense(
 ) -> tuple[Store, PaddedView]:
     """A layer's first states `[rows, heads, n, d]` at cache positions `[n]`, stored by `codec`, and the view the
     forward that computed them reads."""
-    if isinstance(codec, Quantized):
+    if not codec.lossless:
         return QuantizedSegments.from_dense(keys, values, positions, codec)
     store = Segments.from_dense(keys, values, positions, codec)
     return store, store.padded()
@@ -335,6 +335,6 @@ def kept_store(
     store: Store, sources: Sequence[int], indices: Sequence[torch.Tensor], rows: int, codec: EntryCodec
 ) -> Store:
     """`store.select`, the kept entries stored by `codec` (full precision into quantized: a compressed prefill)."""
-    if isinstance(store, Segments) and isinstance(codec, Quantized):
+    if isinstance(store, Segments) and not codec.lossless:
         return stored_quantized(store, sources, indices, rows, codec)
     return store.select(sources, indices, rows, codec)

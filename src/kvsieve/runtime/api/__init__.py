@@ -1,0 +1,1 @@
+"""The entry points: `compress`, `bounded_cache`, `generate`, `apply`, `EvictionConfig` and `evictions`."""

@@ -1,0 +1,1 @@
+"""Sieve attention (registered in `transformers`' attention interface) and the kernels it runs."""
