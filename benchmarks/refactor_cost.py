@@ -110,7 +110,8 @@ def main() -> None:
     for name in BENCHMARKS:
         for cell in before[name]:
             b, a = statistics.median(before[name][cell]), statistics.median(after[name][cell])
-            rows.append({"benchmark": name, "cell": cell, "before_ms": b, "after_ms": a, "ratio": a / b})
+            rounds = {"before_rounds_ms": before[name][cell], "after_rounds_ms": after[name][cell]}
+            rows.append({"benchmark": name, "cell": cell, "before_ms": b, "after_ms": a, "ratio": a / b, **rounds})
     report = {**commits, "rounds": args.rounds, "cpus": os.cpu_count(), "rows": rows}
     console.print(markdown(report))
     console.print(f"wrote {TABLE.write(report, args.out)}")
