@@ -320,3 +320,19 @@ def test_a_sweep_evicts_every_storage_from_one_prefill(lm, tok):
         quantized = (full_bytes - residual) // float_entry * _codec(bits).entry_bytes(16, torch.float32)
         assert held == quantized + residual
     assert rows["gold_logprob"].to_numpy() == pytest.approx(one["gold_logprob"].to_numpy(), abs=1e-5)
+
+
+@torch.no_grad()
+def test_an_empty_bounded_cache_of_codes_sums_attention_from_its_first_chunk(model, ids):
+    """Accumulating into a quantized layer whose body is still empty (every entry in the residual): each query pays
+    one unit of attention per query head, so before any eviction the sums add up to the queries fed."""
+    cache = kvsieve.bounded_cache(model, "h2o", max_tokens=40, buffer=8, kv_bits=8, kv_group=GROUP)
+    with kvsieve.sieve_attention(model):
+        for start in range(0, 120, 8):
+            model(ids[:, start : start + 8], past_key_values=cache)
+            assert cache.mean_stored() <= 40 + 8
+            if start + 8 <= 40 + 8:  # nothing evicted yet
+                for obs in kvsieve.observe_cache(model, cache):
+                    totals = obs.stats.received.sum(dim=-1)
+                    torch.testing.assert_close(totals, torch.full_like(totals, start + 8.0), atol=1e-4, rtol=0)
+    assert cache.layers[0].segments.body.lengths[0] > 0, "entries moved to the body on the way"

@@ -341,7 +341,8 @@ class Segments:
         return 0 if self.received is None else self.received.shape[1]
 
     def _received_grid(self) -> torch.Tensor:
-        return self.received[:-1].view(self.rows, self.heads, self.capacity[0], -1).narrow(2, 0, self.lengths[0])
+        grid = self.received[:-1].view(self.rows, self.heads, self.capacity[0], self.group)  # an empty body too
+        return grid.narrow(2, 0, self.lengths[0])
 
     def padded_received(self) -> torch.Tensor:
         """`received` in the shape of `padded()`: `[rows, heads, length, group]` (padding slots hold 0)."""
