@@ -26,12 +26,12 @@ from rich.table import Table
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvsieve
+from decode_speed import uniform_storages
 from kvsieve.harness.report import markdown_table
 from kvsieve.runtime.attention.sieve import attention_implementation
 from kvsieve.runtime.compat import cache_argument
 from kvsieve.runtime.observing.prefill import Prefill
-from kvsieve.runtime.storage.codecs import FULL_PRECISION, EntryCodec, codec_for, storage_codec
-from kvsieve.selection.storage import Storage
+from kvsieve.runtime.storage.codecs import FULL_PRECISION, EntryCodec, storage_codec
 from results_io import Output
 
 ALLOCATORS = ("uniform", "adaptive", "global")
@@ -67,17 +67,6 @@ def compressed(
     policy = kvsieve.make_policy("snapkv", allocator=allocator)
     keep = [prefill.stored(row, policy.select(obs, rate)) for row, obs in enumerate(prefill.observations)]
     return prefill.cache.keep(keep, codec=codec)
-
-
-def uniform_storages(widths: str) -> dict[str, Storage]:
-    """The quantized uniform caches `--kv-bits` names ("8,4,fp8"), by cache name: a number is `kv_bits` (integer
-    codes), a name a `kv_codec` (fp8: float8 e4m3)."""
-    out = {}
-    for width in filter(None, widths.split(",")):
-        storage = Storage(int(width)) if width.isdigit() else Storage(kv_codec=width)
-        codec_for(storage)  # an unknown codec fails here, before the model loads
-        out[f"uniform, {width}-bit" if width.isdigit() else f"uniform, {width}"] = storage
-    return out
 
 
 def synchronize(device: str) -> None:

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from ....selection.errors import PolicyError
+from ....selection.storage import DEFAULT_GROUP, DEFAULT_RESIDUAL, Storage
 
 
 class EntryCodec(Protocol):
@@ -38,6 +39,12 @@ class EntryCodec(Protocol):
     def check(self, head_dim: int) -> None:
         """A clear error if this codec cannot store heads of `head_dim` channels."""
         ...
+
+
+def group_and_residual(storage: Storage, head_dim: int | None) -> tuple[int, int]:
+    """`storage`'s channels per scale (default 32, or the head dimension when that is smaller) and residual (32)."""
+    group = storage.kv_group if storage.kv_group is not None else min(DEFAULT_GROUP, head_dim or DEFAULT_GROUP)
+    return group, DEFAULT_RESIDUAL if storage.kv_residual is None else storage.kv_residual
 
 
 def residual_extra(codec: EntryCodec, head_dim: int, dtype: torch.dtype) -> int:

@@ -16,7 +16,7 @@ import torch
 
 from ....selection.errors import PolicyError
 from ....selection.storage import DEFAULT_GROUP, DEFAULT_RESIDUAL, Storage
-from .base import check_group, residual_extra
+from .base import check_group, group_and_residual, residual_extra
 
 FORMAT = torch.float8_e4m3fn
 #: The largest finite e4m3 number.
@@ -40,8 +40,7 @@ class Float8:
         """`storage`'s codec (``kv_codec=fp8``): 8 bits a number, so `kv_bits` is 8 or not given."""
         if storage.kv_bits not in (8, 16):
             raise PolicyError(f"kv_codec=fp8 stores 8 bits a number, not kv_bits={storage.kv_bits}: leave kv_bits out")
-        group = storage.kv_group if storage.kv_group is not None else min(DEFAULT_GROUP, head_dim or DEFAULT_GROUP)
-        return cls(group, DEFAULT_RESIDUAL if storage.kv_residual is None else storage.kv_residual)
+        return cls(*group_and_residual(storage, head_dim))
 
     def entry_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * (head_dim + (head_dim // self.group) * dtype.itemsize)

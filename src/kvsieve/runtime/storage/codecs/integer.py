@@ -19,7 +19,7 @@ import torch
 
 from ....selection.errors import PolicyError
 from ....selection.storage import DEFAULT_GROUP, DEFAULT_RESIDUAL, Storage
-from .base import check_group, residual_extra
+from .base import check_group, group_and_residual, residual_extra
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,7 @@ class Quantized:
         """`storage`'s codec: `kv_group` defaults to 32 channels, or the head dimension when that is smaller."""
         if storage.kv_bits == 16:
             raise PolicyError("kv_codec=int stores kv_bits=8, 4 or 2 per number: give kv_bits")
-        group = storage.kv_group if storage.kv_group is not None else min(DEFAULT_GROUP, head_dim or DEFAULT_GROUP)
-        residual = DEFAULT_RESIDUAL if storage.kv_residual is None else storage.kv_residual
-        return cls(storage.kv_bits, group, residual)
+        return cls(storage.kv_bits, *group_and_residual(storage, head_dim))
 
     def __post_init__(self) -> None:
         if self.bits == 16:
