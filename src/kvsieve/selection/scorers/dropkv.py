@@ -1,10 +1,10 @@
 """DropKV: the squared change of each recent query's attention output when one entry is evicted.
 
 Decoupled residual-output perturbation (OpenReview MqfNzH3TVH; kvpress PR 285). Removing entry `j`
-renormalises query `i`'s softmax, moving its output by `p_ij / (1 - p_ij) (o_i - v_j)`; the score sums
-the squared norm of that move over the last `window` queries. `o_i` is the query's output over the
-entries the cache holds, which the runtime records and keeps valid after evictions (`ATTENTION_OUTPUTS`,
-declared here).
+renormalises query `i`'s softmax, moving its output by `p_ij / (1 - p_ij) (o_i - v_j)` (CAOTE's
+`removal_effect`); the score sums the squared norm of that move over the last `window` queries. `o_i`
+is the query's output over the entries the cache holds, which the runtime records and keeps valid after
+evictions (`ATTENTION_OUTPUTS`, declared here).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 from ..observation import DEFAULT_WINDOW, Needs, Observation
 from .base import check_window
+from .caote import removal_effect
 
 
 @dataclass(frozen=True)
@@ -52,5 +53,4 @@ class DropKVScorer:
         outputs = obs.measured(ATTENTION_OUTPUTS, self.window)  # [q_heads, w, d]
         attention = obs.window_attention(self.window)  # [q_heads, w, n]
         values = obs.values.float().repeat_interleave(obs.group, dim=0)  # [q_heads, n, d]
-        moved = (attention / (1.0 - attention).clamp(min=1e-6)).square() * torch.cdist(outputs, values).square()
-        return obs.per_kv_head(moved.sum(dim=1))
+        return obs.per_kv_head(removal_effect(attention, values, outputs).square().sum(dim=1))
