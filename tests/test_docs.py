@@ -100,9 +100,10 @@ def test_results_markdown_is_what_its_json_renders_to(declared: dict[str, list])
     assert stale == [], f"{stale} differ from rendering their JSON: run python benchmarks/render_docs.py"
 
 
-def test_benchmarks_doc_matches_results() -> None:
-    stale = render_docs.check(DOC, RESULTS)
-    assert stale == [], f"docs/benchmarks.md is stale in {stale}: run python benchmarks/render_docs.py"
+@pytest.mark.parametrize("doc", render_docs.DOCS, ids=lambda doc: doc.name)
+def test_each_doc_matches_results(doc: Path) -> None:
+    stale = render_docs.check(doc, RESULTS)
+    assert stale == [], f"docs/{doc.name} is stale in {stale}: run python benchmarks/render_docs.py"
 
 
 def test_a_changed_json_makes_its_markdown_and_the_doc_stale_until_rendered(

@@ -299,6 +299,11 @@ def test_generate_compresses_or_continues_from_the_new_tokens_only(model, ids):
     with kvsieve.sieve_attention(model):
         whole = model.generate(ids[:, :100], past_key_values=same, **gen)
     assert torch.equal(continued, whole[:, 90:]), "only the new tokens in, the same tokens out"
+    again = kvsieve.compress(model, ids[:, :90], "snapkv", 0.5)
+    scored = kvsieve.generate(
+        model, ids[:, 90:100], cache=again, output_scores=True, return_dict_in_generate=True, **gen
+    )
+    assert torch.equal(scored.sequences, continued) and len(scored.scores) == gen["max_new_tokens"]
     with pytest.raises(ValueError, match="new tokens alone continue a cache of one sequence"):
         kvsieve.generate(model, ids[:, 90:100].repeat(2, 1), cache=cache.copy(rows=[0, 0]), **gen)
     with pytest.raises(kvsieve.PolicyError, match="beam search cannot run on a compressed cache"):

@@ -1,6 +1,7 @@
-"""The four layers: modeling imports no other, selection neither runtime nor harness, runtime never the
-harness; inside the runtime, storage < attention < observing < eviction < api; and `import kvsieve`
-loads no harness module and none of the harness's heavy dependencies."""
+"""The layers: modeling imports no other, selection neither runtime nor harness, runtime never the harness, and
+the vLLM plugin (a second runtime beside `runtime`) only modeling and selection; inside the runtime, storage <
+attention < observing < eviction < api; and `import kvsieve` loads no harness module and none of the harness's
+heavy dependencies."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ ALLOWED = {
     "modeling": {"modeling"},
     "selection": {"modeling", "selection"},
     "runtime": {"modeling", "selection", "runtime"},
+    "vllm": {"modeling", "selection", "vllm"},
     "harness": {"modeling", "selection", "runtime", "harness"},
 }
 #: The runtime's folders from the bottom up: each imports only those before it (and the runtime's own modules).

@@ -133,7 +133,7 @@ def _converted_gguf(path: Path) -> Path:
     return converted
 
 
-def _model_folder(name_or_path: str | os.PathLike | None) -> str | os.PathLike:
+def model_folder(name_or_path: str | os.PathLike | None) -> str | os.PathLike:
     """Where `load_model` reads a model from: a converted GGUF's folder, or the directory / HF id as given."""
     if name_or_path is None or str(name_or_path) == DEFAULT_MODEL:
         return _converted_gguf(default_model_gguf())
@@ -170,7 +170,7 @@ def _from_folder(auto_class: type, folder: str | os.PathLike, name_or_path: obje
 
 def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> PreTrainedTokenizerBase:
     """The tokenizer of a model `load_model` loads (the same names), without loading its weights."""
-    return _from_folder(AutoTokenizer, _model_folder(name_or_path), name_or_path)
+    return _from_folder(AutoTokenizer, model_folder(name_or_path), name_or_path)
 
 
 def load_model(
@@ -188,7 +188,7 @@ def load_model(
             path to a ``.gguf`` file, a local model directory, or a Hugging Face id (read from the Hugging Face
             cache, else downloaded once; where it cannot be, `ModelNotFoundError` at once: `kvsieve.harness.hub`).
     """
-    folder = _model_folder(name_or_path)  # resolved once: a GGUF's conversion, a Hugging Face id's check
+    folder = model_folder(name_or_path)  # resolved once: a GGUF's conversion, a Hugging Face id's check
     tokenizer = _from_folder(AutoTokenizer, folder, name_or_path)
     model = _from_folder(AutoModelForCausalLM, folder, name_or_path, dtype=dtype)
     return model.to(device).eval(), tokenizer

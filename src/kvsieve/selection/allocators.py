@@ -255,6 +255,8 @@ def top_scored(
 ) -> list[torch.Tensor]:
     """Sorted indices kept per kv-head: every protected entry plus the `keep_counts[h]` best evictable ones.
 
+    Equal scores keep the earlier entry, so two engines that compute the same scores keep the same entries.
+
     Args:
         scores: `[kv_heads, n]`, higher = keep. protected, evictable: `[kv_heads, n]` bool.
     """
@@ -263,6 +265,6 @@ def top_scored(
     masked = scores.float().masked_fill(~evictable, float("-inf"))
     out = []
     for h, count in enumerate(keep_counts):
-        best = torch.topk(masked[h], k=count, sorted=False).indices
+        best = torch.sort(masked[h], descending=True, stable=True).indices[:count]
         out.append(torch.cat([protected[h].nonzero().flatten(), best]).sort().values)
     return out

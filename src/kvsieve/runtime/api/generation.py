@@ -111,4 +111,7 @@ def _continue(
         out = model.generate(
             full, attention_mask=torch.ones_like(full), **cache_argument(model, cache), **generate_kwargs
         )
-    return out[:, seen:]
+    if isinstance(out, torch.Tensor):
+        return out[:, seen:]
+    out.sequences = out.sequences[:, seen:]  # return_dict_in_generate: scores and the rest cover new tokens only
+    return out

@@ -1,0 +1,84 @@
+"""One engine step as the plugin sees it: which request each batch row is, where its tokens go, what to compact."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """One request's part of a step.
+
+    Attributes:
+        req_id: the request.
+        start, stop: its tokens in the step's flat batch.
+        computed: tokens its cache held before the step (true positions `[computed, seen)` come in now).
+        seen: tokens its cache holds after the step.
+        blocks: its block-table row as vLLM allocated it (indexed by true position).
+        evicted: entries removed from its cache index space before this step.
+        due: whether kvsieve compacts it after this step's attention.
+    """
+
+    req_id: str
+    start: int
+    stop: int
+    computed: int
+    seen: int
+    blocks: torch.Tensor
+    evicted: int
+    due: bool
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """`[stop - start]` the true positions of the step's tokens."""
+        return torch.arange(self.computed, self.seen)
+
+    @property
+    def stored(self) -> int:
+        """Entries per (layer, kv-head) the cache holds after the step."""
+        return self.seen - self.evicted
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The rows of one step and the attention layers that will see them."""
+
+    rows: tuple[RowPlan, ...]
+    num_layers: int
+    block_size: int
+
+    @property
+    def due(self) -> tuple[RowPlan, ...]:
+        return tuple(row for row in self.rows if row.due)
+
+    def remap(self, metadata: object) -> object:
+        """vLLM's common attention metadata with each compacted row's tokens written at cache index `p - evicted`:
+        its block-table row shifted past the freed blocks, its slots rewritten in place (the KV write reads the same
+        tensor), its attention length cut by `evicted`."""
+        if not any(row.evicted for row in self.rows):
+            return metadata
+        table, seq_lens = metadata.block_table_tensor.clone(), metadata.seq_lens.clone()
+        for i, row in enumerate(self.rows):
+            if not row.evicted:
+                continue
+            shift = row.evicted // self.block_size
+            table[i, : table.shape[1] - shift] = row.blocks[shift:]
+            cache_index = row.positions - row.evicted
+            slots = table[i, cache_index // self.block_size].long() * self.block_size + cache_index % self.block_size
+            metadata.slot_mapping[row.start : row.stop] = slots.to(metadata.slot_mapping.dtype)
+            seq_lens[i] -= row.evicted
+        return dataclasses.replace(
+            metadata,
+            block_table_tensor=table,
+            seq_lens=seq_lens,
+            max_seq_len=int(seq_lens[: len(self.rows)].max()),
+        )
+
+    def destination(self, row: RowPlan, evicted: int, count: int) -> torch.Tensor:
+        """`[count]` the slots of cache indices `[0, count)` once `evicted` entries are gone from `row`'s front."""
+        blocks = row.blocks[evicted // self.block_size :]
+        index = torch.arange(count)
+        return blocks[index // self.block_size].long() * self.block_size + index % self.block_size
