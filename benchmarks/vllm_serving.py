@@ -63,7 +63,7 @@ def markdown(report: dict) -> str:
         cells += [f"{row['output_tps']:.1f}", f"{row['output_tps'] / full['output_tps']:.2f}x"]
         cells += [f"{row['total_tps']:.0f}", f"{row['ttft_median']:.1f}", f"{1000 * row['tpot_median']:.0f}"]
         body.append(["n/a" if cell is None else str(cell) for cell in [*cells, f"{row['answered']}/{row['requests']}"]])
-    return "\n".join(lines) + markdown_table(header, body) + "\n"
+    return "\n".join(lines) + "\n" + markdown_table(header, body) + "\n"
 
 
 TABLE = Output("vllm_serving*", {"": markdown}, extras=("_blocks.png",))
