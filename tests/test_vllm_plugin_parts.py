@@ -13,7 +13,7 @@ from kvsieve.selection.budget import MaxTokens, Rate
 from kvsieve.selection.scorers import SCORERS
 from kvsieve.selection.spec import make_policy
 from kvsieve.vllm.engine import SCHEDULER, SUPPORTED_VLLM, WORKER, prepare_engine_args
-from kvsieve.vllm.held import HeldCache, RecentQueries
+from kvsieve.vllm.held import HeldCache, RecentMeasures
 from kvsieve.vllm.layout import read_entries
 from kvsieve.vllm.plan import RowPlan, StepPlan
 from kvsieve.vllm.settings import PluginConfigError, PluginSettings, unservable
@@ -101,14 +101,15 @@ def test_a_compacted_row_writes_at_its_position_less_the_evicted():
     assert plan.destination(row, 9, 5).tolist() == [36, 37, 38, 39, 16]
 
 
-def test_held_positions_and_recent_queries():
+def test_held_positions_and_recent_measures():
     held = HeldCache(evicted=10, kept={0: torch.tensor([[0, 4, 7], [1, 2, 9]])})
     assert held.compacted == 3
     assert held.positions(0, 2, 5).tolist() == [[0, 4, 7, 13, 14], [1, 2, 9, 13, 14]]
-    recent = RecentQueries(window=3)
-    recent.append(torch.arange(8.0).view(4, 2, 1), torch.arange(4))
-    recent.append(torch.tensor([[[8.0], [9.0]]]), torch.tensor([4]))
-    assert recent.positions.tolist() == [2, 3, 4] and recent.queries[:, :, 0].tolist() == [[4, 6, 8], [5, 7, 9]]
+    recent = RecentMeasures(window=3)
+    recent.append({"queries": torch.arange(8.0).view(4, 2, 1).transpose(0, 1)}, torch.arange(4))
+    recent.append({"queries": torch.tensor([[[8.0]], [[9.0]]])}, torch.tensor([4]))
+    queries = recent.measured["queries"]
+    assert recent.positions.tolist() == [2, 3, 4] and queries[:, :, 0].tolist() == [[4, 6, 8], [5, 7, 9]]
 
 
 def test_read_entries_follows_the_cpu_layout():

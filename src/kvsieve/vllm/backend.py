@@ -50,7 +50,7 @@ class SieveAttentionImpl(CPUAttentionBackendImpl):
             sieve, plan = step
             if self.kvsieve_facts is None:
                 self.kvsieve_facts = LayerFacts(scaling=self.scale, q_heads=self.num_heads, gates=sieve.gates)
-            sieve.after_attention(layer, self.kv_cache_dtype, self.kvsieve_facts, query, kv_cache, plan)
+            sieve.after_attention(layer, self.kv_cache_dtype, self.kvsieve_facts, query, output, kv_cache, plan)
         return output
 
 

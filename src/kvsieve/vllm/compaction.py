@@ -1,7 +1,7 @@
 """The worker's side of the plugin: plan each step, record window queries, score with `kvsieve.selection`, compact.
 
 Scoring reads exactly what `kvsieve.compress` reads, built from vLLM's own cache: every layer's keys
-and values, their positions and the last window queries; `Policy.select` decides over all layers at
+and values, their positions and what the last window queries yielded; `Policy.select` decides over all layers at
 once (the allocator and the budget see the whole request). The kept entries of every (layer, kv-head)
 are written to the front of the request's blocks, the blocks in front of them are reported to the
 scheduler, which gives them back to vLLM's pool.
@@ -17,8 +17,8 @@ import torch
 
 from ..modeling.gates import RetentionGates
 from ..modeling.rotary import Rotary
-from ..selection.observation import QUERIES, LayerFacts, Observation, Statistics
-from .held import HeldCache, RecentQueries
+from ..selection.observation import LayerFacts, Observation, Statistics
+from .held import HeldCache, RecentMeasures
 from .layout import check_layout, read_entries, write_entries
 from .plan import RowPlan, StepPlan
 from .settings import PluginSettings
@@ -96,19 +96,21 @@ class WorkerSieve:
         kv_cache_dtype: str,
         facts: LayerFacts,
         query: torch.Tensor,
+        output: torch.Tensor,
         kv_cache: torch.Tensor,
         plan: StepPlan,
     ) -> None:
-        """Record one layer's window queries and read its due requests' entries; after the last layer, compact."""
-        window = self.settings.policy.needs.window
-        if not window and not plan.due:
+        """Record what one layer's window queries yielded (`query`, `output`: `[tokens, q_heads * d]` of the step)
+        and read its due requests' entries; after the last layer, compact."""
+        needs = self.settings.policy.needs
+        if not needs.window and not plan.due:
             return
         layer_idx = layer_index(layer.layer_name)
         for row in plan.rows:
             held = self.held[row.req_id]
-            if window:
-                recent = held.recent.setdefault(layer_idx, RecentQueries(window))
-                recent.append(query[row.start : row.stop].view(row.stop - row.start, facts.q_heads, -1), row.positions)
+            if needs.window:
+                recent = held.recent.setdefault(layer_idx, RecentMeasures(needs.window))
+                self._record(recent, row, facts.q_heads, query, output)
             if row.due:
                 check_layout(layer, kv_cache_dtype, kv_cache)
                 shifted = row.blocks[row.evicted // plan.block_size :]
@@ -120,6 +122,15 @@ class WorkerSieve:
             for row in plan.due:
                 self._compact(row, plan, self.reads.pop(row.req_id))
 
+    def _record(
+        self, recent: RecentMeasures, row: RowPlan, q_heads: int, query: torch.Tensor, output: torch.Tensor
+    ) -> None:
+        """Keep what the row's last window queries yielded: every measure of `Needs.window_measures`."""
+        start = max(row.start, row.stop - recent.window)
+        ran = [x[start : row.stop].view(row.stop - start, q_heads, -1).transpose(0, 1)[None] for x in (query, output)]
+        measures = self.settings.policy.needs.window_measures
+        recent.append({m.name: m.measure(*ran)[0] for m in measures}, row.positions[start - row.start :])
+
     def observations(self, row: RowPlan, reads: dict[int, ReadLayer]) -> list[Observation]:
         """Every layer's observation of a due request, as `kvsieve.compress` builds it for its prompt."""
         held, num_layers = self.held[row.req_id], len(reads)
@@ -129,7 +140,7 @@ class WorkerSieve:
             stats = Statistics()
             recent = held.recent.get(layer_idx)
             if recent is not None:
-                stats = Statistics(window={QUERIES.name: recent.queries}, window_positions=recent.positions)
+                stats = Statistics(window=dict(recent.measured), window_positions=recent.positions)
             observation = Observation(
                 layer_idx=layer_idx,
                 num_layers=num_layers,

@@ -1,27 +1,29 @@
-"""What one request's cache holds in a vLLM worker once kvsieve has compacted it, and its last window queries."""
+"""What one request's cache holds in a vLLM worker once kvsieve has compacted it, and what its last window queries
+yielded."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass
-class RecentQueries:
-    """The last `window` queries of one layer (after RoPE, float32) and their token positions."""
+class RecentMeasures:
+    """What the last `window` queries of one layer yielded (`Needs.window_measures`, by name) and their positions."""
 
     window: int
-    queries: torch.Tensor | None = None  # [q_heads, w, head_dim]
+    measured: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [q_heads, w, k]
     positions: torch.Tensor | None = None  # [w]
 
-    def append(self, queries: torch.Tensor, positions: torch.Tensor) -> None:
-        """Add `queries [n, q_heads, head_dim]` at `positions [n]`, keeping the last `window`."""
-        queries, positions = queries[-self.window :].transpose(0, 1).float(), positions[-self.window :]
-        if self.queries is not None:
-            queries = torch.cat([self.queries, queries], dim=1)[:, -self.window :]
-            positions = torch.cat([self.positions, positions])[-self.window :]
-        self.queries, self.positions = queries, positions
+    def append(self, measured: Mapping[str, torch.Tensor], positions: torch.Tensor) -> None:
+        """Add what queries at `positions [n]` yielded (name -> `[q_heads, n, k]`), keeping the last `window`."""
+        for name, value in measured.items():
+            held = self.measured.get(name)
+            self.measured[name] = (value if held is None else torch.cat([held, value], dim=1))[:, -self.window :]
+        held = self.positions
+        self.positions = (positions if held is None else torch.cat([held, positions]))[-self.window :]
 
 
 @dataclass
@@ -32,12 +34,12 @@ class HeldCache:
     Attributes:
         evicted: entries removed from the request's cache index space (`d`); 0 until the first compaction.
         kept: per layer index, `[kv_heads, C]` the positions of the entries at cache indices `[0, C)`.
-        recent: per layer index, the last window queries (when the policy reads them).
+        recent: per layer index, what the last window queries yielded (when the policy reads them).
     """
 
     evicted: int = 0
     kept: dict[int, torch.Tensor] = field(default_factory=dict)
-    recent: dict[int, RecentQueries] = field(default_factory=dict)
+    recent: dict[int, RecentMeasures] = field(default_factory=dict)
 
     @property
     def compacted(self) -> int:
