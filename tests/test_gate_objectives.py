@@ -1,0 +1,169 @@
+"""The gates' training objectives beyond the plain ones: KVzip's keep decision mixed into the full cache's output,
+a length curriculum, their bad input, and the held-back genre no training set reads."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import tiny_llama
+from kvsieve.harness.cli import app
+from kvsieve.harness.data.news import news_reports, sample_news
+from kvsieve.harness.training.data import TrainingData, training_data
+from kvsieve.harness.training.kvzip_target import kvzip_step
+from kvsieve.harness.training.retention import RetentionTape
+from kvsieve.harness.training.train import TrainConfig, loss_positions, objective_step, train_gates, train_step
+from kvsieve.modeling.gates import RetentionGates, gate_shape
+from kvsieve.modeling.rotary import find_rotary
+from kvsieve.selection.checkpoint import read_gates
+from tokenizer import VOCAB_SIZE
+
+SEQ, CAPACITY = 96, 48
+
+
+def _ids(seed: int, length: int = SEQ) -> torch.Tensor:
+    return torch.randint(3, VOCAB_SIZE, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _tape(model, gates: RetentionGates, length: int = SEQ) -> RetentionTape:
+    return RetentionTape(gates, *find_rotary(model)(torch.arange(length)))
+
+
+def test_the_mixed_objective_weighs_kvzips_keep_decision_against_the_output(tok):
+    model = tiny_llama(vocab_size=VOCAB_SIZE)
+    gates = RetentionGates(gate_shape(model, 8), bias_init=2.0)
+    ids, weight = _ids(0), 0.3
+    config = TrainConfig(capacity=CAPACITY, seq_len=SEQ, kl_tokens=32, kvzip_weight=weight)
+    with torch.no_grad():
+        mixed = objective_step(model, tok, _tape(model, gates), ids, config, torch.Generator().manual_seed(5))
+        positions = loss_positions(SEQ, 32, torch.Generator().manual_seed(5))
+        output = train_step(model, gates, _tape(model, gates), ids, config, positions)
+        keep = kvzip_step(model, tok, gates, ids, CAPACITY)
+        plain = objective_step(
+            model,
+            tok,
+            _tape(model, gates),
+            ids,
+            dataclasses.replace(config, kvzip_weight=0.0),
+            torch.Generator().manual_seed(5),
+        )
+    expected = (1 - weight) * output["quality"] + weight * keep["loss"] + config.lam * output["capacity"]
+    torch.testing.assert_close(mixed["loss"], expected)
+    torch.testing.assert_close(mixed["recall"], keep["recall"])
+    torch.testing.assert_close(plain["loss"], output["loss"])  # weight 0: the full cache's output alone
+    assert "keep" not in plain
+
+
+def test_mixing_in_kvzip_moves_the_gates_toward_its_decision(tok, tmp_path):
+    model = tiny_llama(vocab_size=VOCAB_SIZE)
+    data = TrainingData([_ids(seed) for seed in range(4)], {})
+    recall = {}
+    for weight in (0.0, 0.5):
+        config = TrainConfig(capacity=CAPACITY, steps=30, seq_len=SEQ, lr=3e-2, width=8, kvzip_weight=weight)
+        gates, record = train_gates(model, tok, config, tmp_path / str(weight), "tiny", data=data, show_progress=False)
+        with torch.no_grad():
+            steps = [kvzip_step(model, tok, gates, ids, CAPACITY)["recall"] for ids in data.sequences]
+        recall[weight] = float(sum(steps)) / len(steps)
+        assert record.data["config"]["kvzip_weight"] == weight
+    assert recall[0.5] > recall[0.0] + 0.05, recall
+
+
+class _Interrupting(list):
+    """Sequences whose first read stops the run, as Ctrl-C would."""
+
+    def __getitem__(self, index):
+        raise KeyboardInterrupt
+
+
+def test_a_curriculum_trains_each_length_in_its_share_and_resumes_exactly(tmp_path):
+    model = tiny_llama(vocab_size=VOCAB_SIZE)
+    short = TrainingData([_ids(s, SEQ // 2) for s in range(3)], {"source": "short"})
+    long = TrainingData([_ids(s, SEQ) for s in range(10, 13)], {"source": "long"})
+    config = TrainConfig(capacity=8, steps=7, curriculum=(SEQ // 2, SEQ), lr=5e-2, width=8, save_every=3)
+    assert config.lengths == (SEQ // 2, SEQ)
+    assert [config.phase_of(step) for step in range(7)] == [0, 0, 0, 1, 1, 1, 1]  # the remainder goes last
+    gates, record = train_gates(model, None, config, tmp_path / "a", "tiny", data=[short, long], show_progress=False)
+    assert record.data["phase_sequences"] == [3, 3] and tuple(record.data["config"]["curriculum"]) == (SEQ // 2, SEQ)
+    # a run interrupted when the long phase begins (saved at step 3) finishes to the same gates
+    interrupted = TrainingData(_Interrupting(long.sequences), {})
+    with pytest.raises(KeyboardInterrupt):
+        train_gates(model, None, config, tmp_path / "b", "tiny", data=[short, interrupted], show_progress=False)
+    assert torch.load(tmp_path / "b" / "train_state.pt", weights_only=True)["step"] == 3
+    resumed, _ = train_gates(model, None, config, tmp_path / "b", "tiny", data=[short, long], show_progress=False)
+    for name, tensor in gates.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[name], tensor, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="the curriculum has 2 phases, the data 1"):
+        train_gates(model, None, config, tmp_path / "c", "tiny", data=short, show_progress=False)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"kvzip_weight": 1.5}, r"kvzip_weight must be in \[0, 1\]"),
+        ({"kvzip_weight": -0.1}, r"kvzip_weight must be in \[0, 1\]"),
+        ({"kvzip_weight": 0.5, "target": "kvzip"}, "target 'kvzip' uses it alone"),
+        ({"curriculum": (512, 64)}, "capacity 128 must be below every sequence length, got 64"),
+        ({"curriculum": (512, 1024, 2048), "steps": 2}, "needs at least as many steps"),
+    ],
+)
+def test_bad_settings_are_refused_when_the_config_is_made(settings, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**settings)
+
+
+def test_what_the_model_cannot_do_is_refused_before_training(tmp_path):
+    model = tiny_llama(vocab_size=VOCAB_SIZE)  # 1,024 positions, and no tokenizer given
+    data = TrainingData([_ids(0)], {})
+    too_long = TrainConfig(capacity=8, steps=2, curriculum=(SEQ, 2048))
+    with pytest.raises(ValueError, match=r"curriculum's longest sequence \(2048 tokens\) is longer than the model's"):
+        train_gates(model, None, too_long, tmp_path / "a", "tiny", data=[data, data], show_progress=False)
+    for config in (
+        TrainConfig(capacity=8, seq_len=SEQ, target="kvzip"),
+        TrainConfig(capacity=8, seq_len=SEQ, kvzip_weight=0.2),
+    ):
+        with pytest.raises(ValueError, match="the kvzip target needs the model's tokenizer"):
+            train_gates(model, None, config, tmp_path / "b", "tiny", data=data, show_progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # nothing written, no step taken
+
+
+def test_the_command_line_takes_the_mix_and_the_curriculum_and_names_bad_values(model_dir, tmp_path):
+    out = tmp_path / "gates"
+    args = ["train-gates", "--model", str(model_dir), "--out", str(out), "--steps", "2", "--capacity", str(CAPACITY)]
+    args += ["--per-task", "0"]
+    runner = CliRunner(env={"COLUMNS": "200"})
+    result = runner.invoke(app, [*args, "--kvzip-weight", "0.25", "--curriculum", f"{SEQ},{2 * SEQ}"])
+    assert result.exit_code == 0, result.output
+    _, record = read_gates(out)
+    assert record.data["config"]["kvzip_weight"] == 0.25 and record.data["config"]["curriculum"] == [SEQ, 2 * SEQ]
+    for extra, message in [
+        (["--kvzip-weight", "2"], "kvzip_weight must be in [0, 1]"),
+        (["--curriculum", "96,many"], "is not a comma-separated list of sequence lengths"),
+        (["--curriculum", "96,100000"], "is longer than the model's context"),
+        (["--kvzip-weight", "0.1", "--capacity", "20"], "capacity 20 leaves KVzip nothing to decide"),
+    ]:
+        bad = runner.invoke(app, [*args, "--out", str(tmp_path / "bad"), *extra])
+        assert bad.exit_code == 2 and message in bad.output, bad.output
+    assert not (tmp_path / "bad").exists()
+
+
+def test_the_held_back_genre_is_read_by_no_training_set(tok):
+    bulletins = sample_news(tok, 4, 700, seed=1)
+    assert len({name for name, _ in bulletins}) == 4 and all(ids.shape == (1, 700) for _, ids in bulletins)
+    assert all(ids[0, 0] == tok.bos_token_id for _, ids in bulletins)
+    with pytest.raises(ValueError, match="fewer than 100000"):
+        sample_news(tok, 100_000, 700)
+    trained_on = "".join(tok.decode(ids[0]) for ids in training_data(tok, 1024, per_task=0, seed=0).sequences)
+    openings = [report[:60] for report in news_reports()]
+    assert len(openings) == 300 and not any(opening in trained_on for opening in openings)
+
+
+def test_a_model_folder_without_a_tokenizer_is_named_before_anything_trains(tmp_path):
+    folder = tmp_path / "no-tokenizer"
+    tiny_llama(vocab_size=VOCAB_SIZE).save_pretrained(folder)
+    args = ["train-gates", "--model", str(folder), "--out", str(tmp_path / "gates"), "--target", "kvzip"]
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--capacity", str(CAPACITY), "--seq-len", str(SEQ)])
+    assert result.exit_code == 2 and "has no tokenizer kvsieve can load" in result.output, result.output
+    assert "--model" in result.output and not (tmp_path / "gates").exists()
