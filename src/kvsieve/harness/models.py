@@ -177,15 +177,17 @@ def _tokenizer_from(folder: str | os.PathLike, name_or_path: object) -> PreTrain
 
     Checked by its files first: transformers 5.2 asked for a tokenizer in a folder without one took 20 GiB.
     """
-    missing = Path(folder).is_dir() and not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+    if Path(folder).is_dir() and not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
+        raise _no_tokenizer(name_or_path, f"none of {', '.join(TOKENIZER_FILES)} in {folder}")
     try:
-        if not missing:
-            return _from_folder(AutoTokenizer, folder, name_or_path)
-        said = f"none of {', '.join(TOKENIZER_FILES)} in {folder}"
+        return _from_folder(AutoTokenizer, folder, name_or_path)
     except ValueError as err:  # transformers finds no tokenizer file it can read
-        said = " ".join(str(err).split())
-    raise ModelNotFoundError(
-        f"{name_or_path!r} has no tokenizer kvsieve can load ({said}); kvsieve reads text through it: "
+        raise _no_tokenizer(name_or_path, " ".join(str(err).split())) from None
+
+
+def _no_tokenizer(name_or_path: object, why: str) -> ModelNotFoundError:
+    return ModelNotFoundError(
+        f"{name_or_path!r} has no tokenizer kvsieve can load ({why}); kvsieve reads text through it: "
         "save the model's tokenizer into its folder with tokenizer.save_pretrained(folder)"
     )
 
