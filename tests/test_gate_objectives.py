@@ -84,7 +84,8 @@ def test_a_curriculum_trains_each_length_in_its_share_and_resumes_exactly(tmp_pa
     long = TrainingData([_ids(s, SEQ) for s in range(10, 13)], {"source": "long"})
     config = TrainConfig(capacity=8, steps=7, curriculum=(SEQ // 2, SEQ), lr=5e-2, width=8, save_every=3)
     assert config.lengths == (SEQ // 2, SEQ)
-    assert [config.phase_of(step) for step in range(7)] == [0, 0, 0, 1, 1, 1, 1]  # the remainder goes last
+    assert [config.phase_of(step)[0] for step in range(7)] == [0, 0, 0, 1, 1, 1, 1]  # the remainder goes last
+    assert [config.phase_of(step)[1] for step in range(7)] == [0, 1, 2, 0, 1, 2, 3]
     gates, record = train_gates(model, None, config, tmp_path / "a", "tiny", data=[short, long], show_progress=False)
     assert record.data["phase_sequences"] == [3, 3] and tuple(record.data["config"]["curriculum"]) == (SEQ // 2, SEQ)
     # a run interrupted when the long phase begins (saved at step 3) finishes to the same gates

@@ -128,9 +128,11 @@ class TrainConfig:
         """Whether KVzip's keep decision is (part of) the target (the model repeats its context: tokenizer needed)."""
         return self.target == "kvzip" or self.kvzip_weight > 0
 
-    def phase_of(self, step: int) -> int:
-        """The curriculum phase step `step` (from 0) belongs to: equal shares, the remainder in the last."""
-        return min(step // (self.steps // len(self.lengths)), len(self.lengths) - 1)
+    def phase_of(self, step: int) -> tuple[int, int]:
+        """`(phase, steps into it)` of step `step` (from 0): equal shares of the steps, the remainder in the last."""
+        share = self.steps // len(self.lengths)
+        phase = min(step // share, len(self.lengths) - 1)
+        return phase, step - phase * share
 
 
 def loss_positions(length: int, count: int, generator: torch.Generator) -> torch.Tensor | None:
@@ -236,9 +238,9 @@ def _resume(
 
 def _sequence(phases: list[TrainingData], config: TrainConfig, step: int) -> torch.Tensor:
     """The sequence step `step` trains on: its phase's sequences in turn, from the phase's first step."""
-    phase = config.phase_of(step)
+    phase, into = config.phase_of(step)
     sequences = phases[phase].sequences
-    return sequences[(step - phase * (config.steps // len(config.lengths))) % len(sequences)]
+    return sequences[into % len(sequences)]
 
 
 def _phase_record(phases: list[TrainingData]) -> dict:
