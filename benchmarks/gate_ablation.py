@@ -47,6 +47,7 @@ VARIANTS: dict[str, dict | None] = {
     "kvzip target": {"target": "kvzip"},
     "mix10": {"kvzip_weight": 0.1},
     "mix30": {"kvzip_weight": 0.3},
+    "answers x1": {"answer_weight": 1.0},
     "head scope": {"scope": "head"},
     "steps 320": {"steps": 320},
     "curriculum 1k-4k": {"curriculum": (1024, 4096)},

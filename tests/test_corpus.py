@@ -43,6 +43,10 @@ def test_a_folder_of_texts_and_jsonl_becomes_split_hashed_sequences(tmp_path):
     answer = tok("Paris", add_special_tokens=False).input_ids
     qa = [name for name in train if name in corpus.records]
     assert sum(s[0, -len(answer) :].tolist() == answer for s in data.sequences) == len(qa), "QA ends with the answer"
+    # each sequence knows how many of its last tokens are the answer: a QA record's, none of a document's
+    answers = [data.answer(i) for i in range(len(data.sequences))]
+    assert sorted(set(answers)) == [0, len(answer)] and answers.count(len(answer)) == len(qa)
+    assert all(s[0, -data.answer(i) :].tolist() == answer for i, s in enumerate(data.sequences) if data.answer(i))
     (tmp_path / "docs" / "essay0.txt").write_text(f"Essay 0, changed. {TEXT}")
     assert read_corpus(tmp_path).sha256 != corpus.sha256, "the hash follows the content"
 

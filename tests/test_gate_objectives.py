@@ -1,5 +1,6 @@
 """The gates' training objectives beyond the plain ones: KVzip's keep decision mixed into the full cache's output,
-a length curriculum, their bad input, and the held-back genre no training set reads."""
+the output weighed again at the answers, a length curriculum, their bad input, and the held-back genre no training
+set reads."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ from kvsieve.harness.data.news import news_reports, sample_news
 from kvsieve.harness.training.data import TrainingData, training_data
 from kvsieve.harness.training.kvzip_target import kvzip_step
 from kvsieve.harness.training.retention import RetentionTape
-from kvsieve.harness.training.train import TrainConfig, loss_positions, objective_step, train_gates, train_step
+from kvsieve.harness.training.train import (
+    TrainConfig,
+    answer_positions,
+    loss_positions,
+    objective_step,
+    train_gates,
+    train_step,
+)
 from kvsieve.modeling.gates import RetentionGates, gate_shape
 from kvsieve.modeling.rotary import find_rotary
 from kvsieve.selection.checkpoint import read_gates
@@ -71,6 +79,48 @@ def test_mixing_in_kvzip_moves_the_gates_toward_its_decision(tok, tmp_path):
     assert recall[0.5] > recall[0.0] + 0.05, recall
 
 
+def test_the_answer_weight_adds_the_kl_where_the_answer_is_predicted():
+    model = tiny_llama(vocab_size=VOCAB_SIZE)
+    gates = RetentionGates(gate_shape(model, 8), bias_init=1.0)
+    ids, answer, weight = _ids(0), 5, 2.0
+    assert answer_positions(SEQ, answer).tolist() == list(range(SEQ - 6, SEQ - 1))  # each predicts an answer token
+    config = TrainConfig(capacity=CAPACITY, seq_len=SEQ, kl_tokens=32, answer_weight=weight)
+    with torch.no_grad():
+        weighed = objective_step(
+            model, None, _tape(model, gates), ids, config, torch.Generator().manual_seed(5), answer
+        )
+        positions = loss_positions(SEQ, 32, torch.Generator().manual_seed(5))
+        plain = train_step(model, gates, _tape(model, gates), ids, TrainConfig(capacity=CAPACITY), positions)
+        at_answer = train_step(
+            model, gates, _tape(model, gates), ids, TrainConfig(capacity=CAPACITY), answer_positions(SEQ, answer)
+        )
+        document = objective_step(model, None, _tape(model, gates), ids, config, torch.Generator().manual_seed(5))
+    assert float(at_answer["kl"]) > 0
+    torch.testing.assert_close(weighed["answer"], at_answer["kl"])
+    torch.testing.assert_close(weighed["loss"], plain["loss"] + weight * at_answer["kl"])
+    torch.testing.assert_close(document["loss"], plain["loss"])  # no answer: the plain objective
+    assert "answer" not in document
+
+
+def test_weighing_the_answers_trains_gates_that_keep_what_the_answer_needs(tmp_path):
+    model = tiny_llama(vocab_size=VOCAB_SIZE)
+    answer = 6
+    data = TrainingData([_ids(seed) for seed in range(4)], {}, [answer] * 4)
+    at_answer = {}
+    for weight in (0.0, 4.0):
+        config = TrainConfig(capacity=24, steps=30, seq_len=SEQ, lr=3e-2, width=8, kl_tokens=16, answer_weight=weight)
+        gates, record = train_gates(model, None, config, tmp_path / str(weight), "tiny", data=data, show_progress=False)
+        assert record.data["config"]["answer_weight"] == weight
+        read = TrainConfig(capacity=24)
+        with torch.no_grad():
+            kls = [
+                train_step(model, gates, _tape(model, gates), ids, read, answer_positions(SEQ, answer))["kl"]
+                for ids in data.sequences
+            ]
+        at_answer[weight] = float(sum(kls)) / len(kls)
+    assert at_answer[4.0] < 0.9 * at_answer[0.0], at_answer
+
+
 class _Interrupting(list):
     """Sequences whose first read stops the run, as Ctrl-C would."""
 
@@ -108,6 +158,8 @@ def test_a_curriculum_trains_each_length_in_its_share_and_resumes_exactly(tmp_pa
         ({"kvzip_weight": 0.5, "target": "kvzip"}, "target 'kvzip' uses it alone"),
         ({"curriculum": (512, 64)}, "capacity 128 must be below every sequence length, got 64"),
         ({"curriculum": (512, 1024, 2048), "steps": 2}, "needs at least as many steps"),
+        ({"answer_weight": -1.0}, "answer_weight must be >= 0"),
+        ({"answer_weight": 1.0, "target": "kvzip"}, "target 'kvzip' has no output"),
     ],
 )
 def test_bad_settings_are_refused_when_the_config_is_made(settings, message):
@@ -135,12 +187,15 @@ def test_the_command_line_takes_the_mix_and_the_curriculum_and_names_bad_values(
     args = ["train-gates", "--model", str(model_dir), "--out", str(out), "--steps", "2", "--capacity", str(CAPACITY)]
     args += ["--per-task", "0"]
     runner = CliRunner(env={"COLUMNS": "200"})
-    result = runner.invoke(app, [*args, "--kvzip-weight", "0.25", "--curriculum", f"{SEQ},{2 * SEQ}"])
+    mix = ["--kvzip-weight", "0.25", "--answer-weight", "2"]
+    result = runner.invoke(app, [*args, *mix, "--curriculum", f"{SEQ},{2 * SEQ}"])
     assert result.exit_code == 0, result.output
     _, record = read_gates(out)
     assert record.data["config"]["kvzip_weight"] == 0.25 and record.data["config"]["curriculum"] == [SEQ, 2 * SEQ]
+    assert record.data["config"]["answer_weight"] == 2.0
     for extra, message in [
         (["--kvzip-weight", "2"], "kvzip_weight must be in [0, 1]"),
+        (["--answer-weight", "-1"], "answer_weight must be >= 0"),
         (["--curriculum", "96,many"], "is not a comma-separated list of sequence lengths"),
         (["--curriculum", "96,100000"], "is longer than the model's context"),
         (["--kvzip-weight", "0.1", "--capacity", "20"], "capacity 20 leaves KVzip nothing to decide"),

@@ -150,10 +150,13 @@ def test_training_lowers_the_loss_and_resumes(tmp_path):
     train_gates(model, None, half, tmp_path / "b", "tiny", data=data, show_progress=False)
     state = torch.load(tmp_path / "b" / "train_state.pt", weights_only=True)
     state["config"] = dataclasses.asdict(config)
+    del state["config"]["answer_weight"]  # saved before that setting existed: read as its default
     torch.save(state, tmp_path / "b" / "train_state.pt")
     resumed, _ = train_gates(model, None, config, tmp_path / "b", "tiny", data=data, show_progress=False)
     for name, tensor in gates.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[name], tensor, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="saved by a run with other settings"):
+        train_gates(model, None, dataclasses.replace(config, lr=1e-3), tmp_path / "b", "tiny", data=data)
 
 
 def test_checkpoint_round_trip_and_wrong_models(tmp_path):

@@ -12,7 +12,7 @@ later question needs.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,10 +29,19 @@ TRAINING_TASKS = "ruler,routing"
 
 @dataclass(frozen=True)
 class TrainingData:
-    """Token sequences (`[1, n]` each, `n <= seq_len`) in training order, and the record of where they came from."""
+    """Token sequences (`[1, n]` each, `n <= seq_len`) in training order, and the record of where they came from.
+
+    `answers`: per sequence, how many of its last tokens are a sample's gold answer (0 for a document's window;
+    empty: none anywhere).
+    """
 
     sequences: list[torch.Tensor]
     split: dict
+    answers: list[int] = field(default_factory=list)
+
+    def answer(self, index: int) -> int:
+        """How many of sequence `index`'s last tokens are its gold answer."""
+        return self.answers[index] if self.answers else 0
 
 
 def essay_windows(tokenizer: PreTrainedTokenizerBase, names: list[str], seq_len: int) -> list[torch.Tensor]:
@@ -52,22 +61,29 @@ def document_windows(tokenizer: PreTrainedTokenizerBase, texts: list[str], seq_l
     return windows
 
 
-def task_sequences(tokenizer: PreTrainedTokenizerBase, seq_len: int, per_task: int) -> list[torch.Tensor]:
-    """Context, question and gold answer of `per_task` training samples of every task, cut to `seq_len` tokens."""
+def task_sequences(tokenizer: PreTrainedTokenizerBase, seq_len: int, per_task: int) -> list[tuple[torch.Tensor, int]]:
+    """Context, question and gold answer of `per_task` training samples of every task, cut to `seq_len` tokens, each
+    with its answer's length in tokens."""
     samples = task_samples(TRAINING_TASKS, tokenizer, length=seq_len - 64, n=per_task, seed=TRAINING_TASK_SEED)
     sequences = []
     for sample in samples:
         encoded = encode(sample, tokenizer)
         ids = torch.cat([encoded.context_ids, encoded.question_ids, encoded.gold_ids], dim=1)
-        sequences.append(ids[:, -seq_len:] if ids.shape[1] > seq_len else ids)
+        sequences.append((ids[:, -seq_len:], encoded.gold_ids.shape[1]))
     return sequences
+
+
+def _shuffled(pairs: list[tuple[torch.Tensor, int]], seed: int) -> tuple[list[torch.Tensor], list[int]]:
+    """`(sequences, answer lengths)` of `pairs`, shuffled together by `seed`."""
+    random.Random(seed).shuffle(pairs)
+    return [ids for ids, _ in pairs], [answer for _, answer in pairs]
 
 
 def training_data(tokenizer: PreTrainedTokenizerBase, seq_len: int, per_task: int, seed: int) -> TrainingData:
     """The training essays' windows and `per_task` samples of every task, shuffled by `seed`."""
     train, heldout = essay_split()
-    sequences = essay_windows(tokenizer, train, seq_len) + task_sequences(tokenizer, seq_len, per_task)
-    random.Random(seed).shuffle(sequences)
+    windows = [(ids, 0) for ids in essay_windows(tokenizer, train, seq_len)]
+    sequences, answers = _shuffled(windows + task_sequences(tokenizer, seq_len, per_task), seed)
     split = {
         "train_essays": train,
         "heldout_essays": heldout,
@@ -76,15 +92,16 @@ def training_data(tokenizer: PreTrainedTokenizerBase, seq_len: int, per_task: in
         "task_samples_per_task": per_task,
         "sequences": len(sequences),
     }
-    return TrainingData(sequences, split)
+    return TrainingData(sequences, split, answers)
 
 
-def qa_sequence(tokenizer: PreTrainedTokenizerBase, record: QARecord, seq_len: int) -> torch.Tensor:
-    """A question-answer record as one sequence: context, question, answer (the last `seq_len` tokens)."""
+def qa_sequence(tokenizer: PreTrainedTokenizerBase, record: QARecord, seq_len: int) -> tuple[torch.Tensor, int]:
+    """A question-answer record as one sequence: context, question, answer (the last `seq_len` tokens), and the
+    answer's length in tokens."""
     parts = [tokenizer(record.context, return_tensors="pt").input_ids]
     for text in (f"\n\n{record.question}\n", record.answer):
         parts.append(tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids)
-    return torch.cat(parts, dim=1)[:, -seq_len:]
+    return torch.cat(parts, dim=1)[:, -seq_len:], parts[-1].shape[1]
 
 
 def corpus_training_data(tokenizer: PreTrainedTokenizerBase, path: str | Path, seq_len: int, seed: int) -> TrainingData:
@@ -97,7 +114,7 @@ def corpus_training_data(tokenizer: PreTrainedTokenizerBase, path: str | Path, s
         if name in corpus.records:
             sequences.append(qa_sequence(tokenizer, corpus.records[name], seq_len))
             continue
-        windows = document_windows(tokenizer, [corpus.documents[name]], seq_len)
+        windows = [(ids, 0) for ids in document_windows(tokenizer, [corpus.documents[name]], seq_len)]
         if not windows:
             tokens = len(tokenizer(corpus.documents[name]).input_ids)
             raise CorpusError(
@@ -107,7 +124,7 @@ def corpus_training_data(tokenizer: PreTrainedTokenizerBase, path: str | Path, s
         sequences += windows
     if not sequences:
         raise CorpusError(f"--data {path} yields no training sequence (its {len(heldout)} item(s) are all held back)")
-    random.Random(seed).shuffle(sequences)
+    sequences, answers = _shuffled(sequences, seed)
     split = {"source": str(path), "sha256": corpus.sha256, "train": train, "heldout": heldout}
     split |= {"documents": len(corpus.documents), "qa_records": len(corpus.records), "sequences": len(sequences)}
-    return TrainingData(sequences, split)
+    return TrainingData(sequences, split, answers)

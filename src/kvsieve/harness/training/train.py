@@ -5,7 +5,9 @@ cache), once under soft retention (the student). Loss = quality (forward KL to t
 with the next-token loss if asked) + `lam` x capacity hinge (`kvsieve.harness.training.losses`). With
 ``target="kvzip"`` the teacher is KVzip's keep decision instead (`kvsieve.harness.training.kvzip_target`:
 the model runs forward only); with `kvzip_weight` in (0, 1) the two are mixed: KVzip's keep decision takes that
-share of the quality term. A curriculum trains on sequences of growing length, in equal shares of the steps.
+share of the quality term. With `answer_weight`, the KL at the positions that predict a training sample's gold
+answer is added again with that weight (a few tokens in a thousand, but those where a question reads its evidence).
+A curriculum trains on sequences of growing length, in equal shares of the steps.
 Only the gates receive gradients; the model is not modified. Progress is saved every `save_every` steps, and a
 rerun with the same arguments resumes from there; with the same seed, a run is repeatable.
 """
@@ -69,6 +71,8 @@ class TrainConfig:
         kvzip_weight: with target ``"kl"``, the share of the quality term given to KVzip's keep decision (in
             `[0, 1]`; 0: the full cache's output alone): `(1 - w) * KL + w * keep loss`, then the capacity hinge.
         curriculum: sequence lengths the steps go through in equal shares (e.g. `(1024, 4096)`); empty: `seq_len`.
+        answer_weight: with target ``"kl"``, the weight of the mean KL at the positions that predict a training
+            sample's gold answer, added to the quality term (0: they count as any drawn position).
     """
 
     capacity: int = 128
@@ -88,6 +92,7 @@ class TrainConfig:
     target: str = "kl"
     kvzip_weight: float = 0.0
     curriculum: tuple[int, ...] = ()
+    answer_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -107,6 +112,10 @@ class TrainConfig:
             )
         if self.kvzip_weight and self.target != "kl":
             raise ValueError("kvzip_weight mixes KVzip's keep decision into target 'kl'; target 'kvzip' uses it alone")
+        if self.answer_weight < 0:
+            raise ValueError(f"answer_weight must be >= 0, got {self.answer_weight}")
+        if self.answer_weight and self.target != "kl":
+            raise ValueError("answer_weight weighs the full cache's output at answers; target 'kvzip' has no output")
         if len(self.curriculum) > self.steps:
             raise ValueError(
                 f"a curriculum of {len(self.curriculum)} lengths needs at least as many steps, got {self.steps}"
@@ -142,6 +151,12 @@ def loss_positions(length: int, count: int, generator: torch.Generator) -> torch
     return torch.randperm(length, generator=generator)[:count].sort().values
 
 
+def answer_positions(length: int, answer: int) -> torch.Tensor:
+    """The positions whose next token is one of the last `answer` tokens of a `length`-token sequence."""
+    answer = min(answer, length - 1)
+    return torch.arange(length - answer - 1, length - 1)
+
+
 def teacher_precision(dtype: str | None, device: torch.device) -> contextlib.AbstractContextManager:
     """Autocast to `dtype` on `device` for the teacher's forward (a no-op context for None)."""
     if dtype is None:
@@ -156,21 +171,30 @@ def train_step(
     ids: torch.Tensor,
     config: TrainConfig,
     positions: torch.Tensor | None = None,
+    answer: int = 0,
 ) -> dict[str, torch.Tensor]:
     """One sequence: the teacher's logits, the student's under soft retention, and the loss terms (graph kept).
 
-    `positions`: the steps the loss terms read (None: every position).
+    `positions`: the steps the loss terms read (None: every position). `answer`: how many of the last tokens are a
+    gold answer, whose predicting positions `config.answer_weight` weighs again.
     """
-    keep = 0 if positions is None else positions.to(ids.device)  # transformers' logits_to_keep: 0 keeps all
+    drawn = torch.arange(ids.shape[1]) if positions is None else positions
+    asked = answer_positions(ids.shape[1], answer) if config.answer_weight and answer else drawn[:0]
+    read = torch.cat([drawn, asked]).to(ids.device)  # transformers' logits_to_keep: the positions given
     with torch.no_grad(), teacher_precision(config.teacher_dtype, ids.device):
-        teacher = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
+        teacher = model(input_ids=ids, use_cache=False, logits_to_keep=read).logits
     tape.log_beta.clear()
     with soft_retention(model, tape):
-        student = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
-    kl = forward_kl(student, teacher)
-    quality = (kl + next_token_loss(student, ids, positions)) / 2 if config.ntp else kl
+        student = model(input_ids=ids, use_cache=False, logits_to_keep=read).logits
+    split = len(drawn)
+    kl = forward_kl(student[:, :split], teacher[:, :split])
+    quality = (kl + next_token_loss(student[:, :split], ids, positions)) / 2 if config.ntp else kl
+    terms = {"kl": kl}
+    if len(asked):
+        terms["answer"] = forward_kl(student[:, split:], teacher[:, split:])
+        quality = quality + config.answer_weight * terms["answer"]
     capacity = capacity_loss(tape.log_beta.values(), config.capacity, config.scope, positions)
-    return {"loss": quality + config.lam * capacity, "quality": quality, "kl": kl, "capacity": capacity}
+    return terms | {"loss": quality + config.lam * capacity, "quality": quality, "capacity": capacity}
 
 
 def objective_step(
@@ -180,11 +204,16 @@ def objective_step(
     ids: torch.Tensor,
     config: TrainConfig,
     draws: torch.Generator,
+    answer: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """One sequence under `config`'s objective: KVzip's keep decision, the full cache's output, or their mix."""
+    """One sequence under `config`'s objective: KVzip's keep decision, the full cache's output, or their mix.
+
+    `answer`: how many of the sequence's last tokens are a gold answer.
+    """
     if config.target == "kvzip":
         return kvzip_step(model, tokenizer, tape.gates, ids, config.capacity)
-    terms = train_step(model, tape.gates, tape, ids, config, loss_positions(ids.shape[1], config.kl_tokens, draws))
+    positions = loss_positions(ids.shape[1], config.kl_tokens, draws)
+    terms = train_step(model, tape.gates, tape, ids, config, positions, answer)
     if not config.kvzip_weight:
         return terms
     keep = kvzip_step(model, tokenizer, tape.gates, ids, config.capacity)
@@ -229,18 +258,20 @@ def _resume(
     if not path.is_file():
         return 0, 0.0
     state = torch.load(path, weights_only=True)
-    if state["config"] != dataclasses.asdict(config):
+    saved = dataclasses.asdict(TrainConfig()) | state["config"]  # a setting added since then had its default
+    if saved != dataclasses.asdict(config):
         raise ValueError(f"{path} was saved by a run with other settings; remove it or choose another --out")
     gates.load_state_dict(state["gates"])
     optimizer.load_state_dict(state["optimizer"])
     return int(state["step"]), float(state["seconds"])
 
 
-def _sequence(phases: list[TrainingData], config: TrainConfig, step: int) -> torch.Tensor:
-    """The sequence step `step` trains on: its phase's sequences in turn, from the phase's first step."""
+def _sequence(phases: list[TrainingData], config: TrainConfig, step: int) -> tuple[torch.Tensor, int]:
+    """The sequence step `step` trains on (its phase's sequences in turn, from the phase's first step), and how
+    many of its last tokens are a gold answer."""
     phase, into = config.phase_of(step)
-    sequences = phases[phase].sequences
-    return sequences[into % len(sequences)]
+    index = into % len(phases[phase].sequences)
+    return phases[phase].sequences[index], phases[phase].answer(index)
 
 
 def _phase_record(phases: list[TrainingData]) -> dict:
@@ -275,15 +306,15 @@ def train_gates(
     model.eval()
     draws = torch.Generator().manual_seed(config.seed)
     for done in range(step if config.target == "kl" else 0):  # a resumed run draws as the uninterrupted one would
-        loss_positions(_sequence(phases, config, done).shape[1], config.kl_tokens, draws)
+        loss_positions(_sequence(phases, config, done)[0].shape[1], config.kl_tokens, draws)
     with progress_bar(
         "train-gates", fields="loss {task.fields[loss]:.4f}", visible=show_progress, loss=0.0
     ) as progress:
         progress(step, config.steps)
         while step < config.steps:
             start = time.perf_counter()
-            ids = _sequence(phases, config, step).to(model.device)
-            terms = objective_step(model, tokenizer, tape, ids, config, draws)
+            ids, answer = _sequence(phases, config, step)
+            terms = objective_step(model, tokenizer, tape, ids.to(model.device), config, draws, answer)
             optimizer.zero_grad()
             torch.autograd.backward(terms["loss"], inputs=list(gates.parameters()))
             optimizer.step()
