@@ -1,9 +1,11 @@
 """What each change to the gates' training buys at 50-95% question-agnostic eviction, on data no training set uses.
 
-Every variant changes one thing from the recipe of the shipped default gates (`train-gates`' defaults: the
+Every variant changes one thing from the recipe of the model's shipped gates (`train-gates`' defaults: the
 full cache's output as the target, capacity 128 under one global budget, 160 steps of 1,024 tokens of the
-training essays and task samples, seed 0), is trained (or resumed) under `--gates-home`, and is judged as
-``trimkv+global`` beside the full cache and ``kvzip+global`` (5-9 prefills a prompt) on:
+training essays and task samples, seed 0; Gemma-3-270M's: 240 steps, as `make gates-gemma`), is trained (or
+resumed) under `--gates-home`, and is judged as ``trimkv+global`` beside the full cache and ``kvzip+global``
+(5-9 prefills a prompt; on Gemma-3-270M also the heuristics that beat its shipped gates, ``expected`` and
+``vatp+global``) on:
 
 - perplexity (docs/protocols.md: a 1,024-token prefix evicted, the next 512 tokens scored) on news bulletins,
   the held-back genre (`kvsieve.harness.data.news`), pooled, with a paired bootstrap over bulletins;
@@ -11,10 +13,12 @@ training essays and task samples, seed 0), is trained (or resumed) under `--gate
   `niah_multikey_1`; the format, not these samples, is in training) and two formats no training set uses
   (`niah_ledger`, `niah_locker`), reported apart.
 
-Results are kept per policy in benchmarks/results/gate_ablation.json, so a rerun evaluates only what is missing
-(`--variants` picks the variants; `--fresh` starts over).
+Results are kept per policy in benchmarks/results/gate_ablation.json (Gemma-3-270M:
+gate_ablation_gemma3_270m.json), so a rerun evaluates only what is missing (`--variants` picks the variants;
+`--fresh` starts over).
 
     python benchmarks/gate_ablation.py [--variants shipped,mix10] [--docs 24] [--samples 15] [--length 1536]
+                                       [--model gemma3-270m]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from kvsieve.harness.data.suites import task_samples
 from kvsieve.harness.eval import run_ppl
 from kvsieve.harness.eval.stats import bootstrap_delta_ci, bootstrap_mean_ci, pooled_delta_pct, pooled_ppl
 from kvsieve.harness.eval.sweep import run_sweep
+from kvsieve.harness.gemma import GEMMA_MODEL
 from kvsieve.harness.models import DEFAULT_MODEL, ModelChoice, cache_home
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table
@@ -54,6 +59,9 @@ VARIANTS: dict[str, dict | None] = {
 }
 #: The rival every variant is paired with (the full cache runs beside each policy).
 BASELINE = "kvzip+global"
+#: Per model: what its shipped gates' recipe changes from `TrainConfig`'s defaults, and the rivals it is judged by.
+RECIPES: dict[str, dict] = {DEFAULT_MODEL: {}, GEMMA_MODEL: {"steps": 240}}
+RIVALS = {DEFAULT_MODEL: [BASELINE], GEMMA_MODEL: [BASELINE, "expected", "vatp+global"]}
 
 
 def variant_policy(name: str, home: Path) -> str:
@@ -65,12 +73,12 @@ def _folder(name: str) -> str:
     return name.replace(" ", "-").replace("+", "")
 
 
-def train_variant(model, tokenizer, name: str, home: Path) -> dict:
-    """Train (or resume) a variant's gates; what its training recorded."""
+def train_variant(model, tokenizer, name: str, home: Path, model_name: str) -> dict:
+    """Train (or resume) a variant of `model_name`'s shipped recipe; what its training recorded."""
     if VARIANTS[name] is None:
         return {}
-    config = TrainConfig(**VARIANTS[name])
-    _, record = train_gates(model, tokenizer, config, home / _folder(name), DEFAULT_MODEL)
+    config = TrainConfig(**RECIPES[model_name] | VARIANTS[name])
+    _, record = train_gates(model, tokenizer, config, home / _folder(name), model_name)
     return {
         "seconds": record.seconds,
         "changes": {k: list(v) if isinstance(v, tuple) else v for k, v in VARIANTS[name].items()},
@@ -145,7 +153,7 @@ def markdown(report: dict) -> str:
     return "\n\n".join(tables) + "\n"
 
 
-TABLE = Output("gate_ablation", {"": markdown})
+TABLE = Output("gate_ablation*", {"": markdown})
 
 
 def main() -> None:
@@ -154,27 +162,32 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=24)
     parser.add_argument("--samples", type=int, default=15)
     parser.add_argument("--length", type=int, default=1536)
-    parser.add_argument("--gates-home", type=Path, default=cache_home() / "gates" / "ablation")
+    parser.add_argument("--model", default=DEFAULT_MODEL, choices=list(RECIPES))
+    parser.add_argument("--gates-home", type=Path, help="where variants train (default: the cache's gates/ablation)")
     parser.add_argument("--fresh", action="store_true", help="forget the results already in the JSON")
     args = parser.parse_args()
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
-    path = RESULTS / "gate_ablation.json"
+    default = args.model == DEFAULT_MODEL
+    stem = "gate_ablation" if default else f"gate_ablation_{args.model.replace('-', '_')}"
+    home = args.gates_home or cache_home() / "gates" / "ablation" / ("" if default else args.model)
+    path = RESULTS / f"{stem}.json"
     setting = {"docs": args.docs, "samples": args.samples, "length": args.length, "rates": RATES}
     report = json.loads(path.read_text()) if path.is_file() and not args.fresh else {}
     if {k: report.get(k) for k in setting} != setting:
         report = setting | {"policies": {}}
-    model, tokenizer = ModelChoice().load()
-    todo = {BASELINE: BASELINE} | {f"trimkv+global ({name})": name for name in args.variants.split(",")}
+    model, tokenizer = ModelChoice(None if default else args.model).load()
+    todo = {rival: rival for rival in RIVALS[args.model]}
+    todo |= {f"trimkv+global ({name})": name for name in args.variants.split(",")}
     for label, name in todo.items():
         if label in report["policies"]:
             continue
-        training = train_variant(model, tokenizer, name, args.gates_home) if name in VARIANTS else {}
-        policy = variant_policy(name, args.gates_home) if name in VARIANTS else name
+        training = train_variant(model, tokenizer, name, home, args.model) if name in VARIANTS else {}
+        policy = variant_policy(name, home) if name in VARIANTS else name
         result, report["full"] = evaluate(model, tokenizer, policy, args)
         report["policies"][label] = result | {"policy": policy, "training": training}
-        TABLE.write(report)  # after every policy, so an interrupted run keeps what it measured
+        TABLE.write(report, stem)  # after every policy, so an interrupted run keeps what it measured
     Console().print(markdown(report))
     print(f"wrote {path}")
 
