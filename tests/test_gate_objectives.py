@@ -14,7 +14,7 @@ from conftest import tiny_llama
 from kvsieve.harness.cli import app
 from kvsieve.harness.data.news import news_reports, sample_news
 from kvsieve.harness.training.data import TrainingData, training_data
-from kvsieve.harness.training.kvzip_target import kvzip_step
+from kvsieve.harness.training.kvzip_target import keep_loss, kvzip_step
 from kvsieve.harness.training.retention import RetentionTape
 from kvsieve.harness.training.train import (
     TrainConfig,
@@ -77,6 +77,29 @@ def test_mixing_in_kvzip_moves_the_gates_toward_its_decision(tok, tmp_path):
         recall[weight] = float(sum(steps)) / len(steps)
         assert record.data["config"]["kvzip_weight"] == weight
     assert recall[0.5] > recall[0.0] + 0.05, recall
+
+
+def test_the_kept_only_keep_loss_raises_kvzips_kept_entries_and_pushes_none_down():
+    log_p = torch.log(torch.tensor([0.9, 0.2, 0.5, 0.05], dtype=torch.float64, requires_grad=True))
+    keep = torch.tensor([True, False, True, False])
+    torch.testing.assert_close(keep_loss(log_p, keep, kept_only=True), -(log_p[0] + log_p[2]) / 2)
+    (grad,) = torch.autograd.grad(keep_loss(log_p, keep, kept_only=True), log_p)
+    assert (grad[keep] < 0).all() and (grad[~keep] == 0).all()  # descent raises the kept, leaves the rest
+    (both,) = torch.autograd.grad(keep_loss(log_p, keep), log_p)
+    assert (both[~keep] > 0).all()  # the full decision pushes the dropped entries down
+
+
+def test_mixing_in_kvzips_kept_entries_alone_moves_the_gates_toward_them(tok, tmp_path):
+    model = tiny_llama(vocab_size=VOCAB_SIZE)
+    data = TrainingData([_ids(seed) for seed in range(4)], {})
+    recall = {}
+    for name, settings in {"plain": {}, "kept": {"kvzip_weight": 0.5, "kvzip_kept_only": True}}.items():
+        config = TrainConfig(capacity=CAPACITY, steps=30, seq_len=SEQ, lr=3e-2, width=8, **settings)
+        gates, _ = train_gates(model, tok, config, tmp_path / name, "tiny", data=data, show_progress=False)
+        with torch.no_grad():
+            steps = [kvzip_step(model, tok, gates, ids, CAPACITY)["recall"] for ids in data.sequences]
+        recall[name] = float(sum(steps)) / len(steps)
+    assert recall["kept"] > recall["plain"] + 0.05, recall
 
 
 def test_the_answer_weight_adds_the_kl_where_the_answer_is_predicted():
@@ -159,6 +182,8 @@ def test_a_curriculum_trains_each_length_in_its_share_and_resumes_exactly(tmp_pa
         ({"curriculum": (512, 64)}, "capacity 128 must be below every sequence length, got 64"),
         ({"curriculum": (512, 1024, 2048), "steps": 2}, "needs at least as many steps"),
         ({"answer_weight": -1.0}, "answer_weight must be >= 0"),
+        ({"kvzip_kept_only": True}, "give a kvzip_weight > 0"),
+        ({"kvzip_kept_only": True, "target": "kvzip"}, "give a kvzip_weight > 0"),
         ({"answer_weight": 1.0, "target": "kvzip"}, "target 'kvzip' has no output"),
     ],
 )
@@ -187,15 +212,16 @@ def test_the_command_line_takes_the_mix_and_the_curriculum_and_names_bad_values(
     args = ["train-gates", "--model", str(model_dir), "--out", str(out), "--steps", "2", "--capacity", str(CAPACITY)]
     args += ["--per-task", "0"]
     runner = CliRunner(env={"COLUMNS": "200"})
-    mix = ["--kvzip-weight", "0.25", "--answer-weight", "2"]
+    mix = ["--kvzip-weight", "0.25", "--kvzip-kept-only", "--answer-weight", "2"]
     result = runner.invoke(app, [*args, *mix, "--curriculum", f"{SEQ},{2 * SEQ}"])
     assert result.exit_code == 0, result.output
     _, record = read_gates(out)
     assert record.data["config"]["kvzip_weight"] == 0.25 and record.data["config"]["curriculum"] == [SEQ, 2 * SEQ]
-    assert record.data["config"]["answer_weight"] == 2.0
+    assert record.data["config"]["answer_weight"] == 2.0 and record.data["config"]["kvzip_kept_only"] is True
     for extra, message in [
         (["--kvzip-weight", "2"], "kvzip_weight must be in [0, 1]"),
         (["--answer-weight", "-1"], "answer_weight must be >= 0"),
+        (["--kvzip-kept-only"], "give a kvzip_weight > 0"),
         (["--curriculum", "96,many"], "is not a comma-separated list of sequence lengths"),
         (["--curriculum", "96,100000"], "is longer than the model's context"),
         (["--kvzip-weight", "0.1", "--capacity", "20"], "capacity 20 leaves KVzip nothing to decide"),

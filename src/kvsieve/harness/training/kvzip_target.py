@@ -56,8 +56,13 @@ def log_survival(gates: RetentionGates, obs: Observation) -> torch.Tensor:
     return retention_scores(entry_log_beta(gates, obs), obs.positions, obs.length)
 
 
-def keep_loss(log_p: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Binary cross-entropy of survival probabilities `exp(log_p)` against the keep decision, from the log."""
+def keep_loss(log_p: torch.Tensor, keep: torch.Tensor, kept_only: bool = False) -> torch.Tensor:
+    """Binary cross-entropy of survival probabilities `exp(log_p)` against the keep decision, from the log.
+
+    `kept_only`: the mean `-log p` of the kept entries alone (nothing is pushed down; which entries make room is
+    left to whatever else the objective holds)."""
+    if kept_only:
+        return -log_p[keep].mean()
     log_p = log_p.clamp(max=-1e-6)  # a probability of exactly 1 would make log(1 - p) infinite
     log_not = torch.log(-torch.expm1(log_p))
     return -torch.where(keep, log_p, log_not).mean()
@@ -69,9 +74,10 @@ def kvzip_step(
     gates: RetentionGates,
     ids: torch.Tensor,
     capacity: int,
+    kept_only: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """One sequence: KVzip's keep decision at `capacity`, the gates' loss against it (graph kept), and the share of
-    KVzip's kept entries the gates rank first (`recall`)."""
+    """One sequence: KVzip's keep decision at `capacity`, the gates' loss against it (graph kept; `kept_only`: see
+    `keep_loss`), and the share of KVzip's kept entries the gates rank first (`recall`)."""
     teacher = make_policy(KVZIP_TEACHER)
     with torch.no_grad():
         prefill = observe_prefill(model, ids, Needs(rotary=True) | teacher.needs, tokenizer=tokenizer)
@@ -83,4 +89,4 @@ def kvzip_step(
     target = torch.cat([kept[mask] for kept, mask in zip(keep, scored, strict=True)])
     with torch.no_grad():  # of the entries KVzip keeps, the share the gates rank among as many of their best
         recall = target[log_p.topk(int(target.sum())).indices].float().mean()
-    return {"loss": keep_loss(log_p, target), "recall": recall}
+    return {"loss": keep_loss(log_p, target, kept_only), "recall": recall}

@@ -70,6 +70,8 @@ class TrainConfig:
             and `teacher_dtype` do not apply).
         kvzip_weight: with target ``"kl"``, the share of the quality term given to KVzip's keep decision (in
             `[0, 1]`; 0: the full cache's output alone): `(1 - w) * KL + w * keep loss`, then the capacity hinge.
+        kvzip_kept_only: with `kvzip_weight`, teach only the entries KVzip keeps (raise their survival; push none
+            down): which entries make room under the capacity is left to the full cache's output.
         curriculum: sequence lengths the steps go through in equal shares (e.g. `(1024, 4096)`); empty: `seq_len`.
         answer_weight: with target ``"kl"``, the weight of the mean KL at the positions that predict a training
             sample's gold answer, added to the quality term (0: they count as any drawn position).
@@ -91,6 +93,7 @@ class TrainConfig:
     save_every: int = 25
     target: str = "kl"
     kvzip_weight: float = 0.0
+    kvzip_kept_only: bool = False
     curriculum: tuple[int, ...] = ()
     answer_weight: float = 0.0
 
@@ -112,6 +115,8 @@ class TrainConfig:
             )
         if self.kvzip_weight and self.target != "kl":
             raise ValueError("kvzip_weight mixes KVzip's keep decision into target 'kl'; target 'kvzip' uses it alone")
+        if self.kvzip_kept_only and not self.kvzip_weight:
+            raise ValueError("kvzip_kept_only changes the keep loss kvzip_weight mixes in: give a kvzip_weight > 0")
         if self.answer_weight < 0:
             raise ValueError(f"answer_weight must be >= 0, got {self.answer_weight}")
         if self.answer_weight and self.target != "kl":
@@ -216,7 +221,7 @@ def objective_step(
     terms = train_step(model, tape.gates, tape, ids, config, positions, answer)
     if not config.kvzip_weight:
         return terms
-    keep = kvzip_step(model, tokenizer, tape.gates, ids, config.capacity)
+    keep = kvzip_step(model, tokenizer, tape.gates, ids, config.capacity, config.kvzip_kept_only)
     mixed = config.kvzip_weight * (keep["loss"] - terms["quality"])  # (1 - w) quality + w keep, with the hinge
     return terms | {"loss": terms["loss"] + mixed, "keep": keep["loss"], "recall": keep["recall"]}
 
