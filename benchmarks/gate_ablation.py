@@ -52,6 +52,7 @@ VARIANTS: dict[str, dict | None] = {
     "kvzip target": {"target": "kvzip"},
     "mix10": {"kvzip_weight": 0.1},
     "mix30": {"kvzip_weight": 0.3},
+    "mix30 kept": {"kvzip_weight": 0.3, "kvzip_kept_only": True},
     "answers x1": {"answer_weight": 1.0},
     "head scope": {"scope": "head"},
     "steps 320": {"steps": 320},
