@@ -14,19 +14,31 @@ from conftest import tiny_llama
 from kvsieve.harness.cli import app
 from kvsieve.harness.data.news import news_reports, sample_news
 from kvsieve.harness.training.data import TrainingData, training_data
-from kvsieve.harness.training.kvzip_target import keep_loss, kvzip_step
+from kvsieve.harness.training.kvzip_target import (
+    KVZIP_TEACHER,
+    indifferent_entries,
+    keep_loss,
+    kvzip_keep,
+    kvzip_step,
+    log_survival,
+)
 from kvsieve.harness.training.retention import RetentionTape
 from kvsieve.harness.training.train import (
     TrainConfig,
     answer_positions,
     loss_positions,
     objective_step,
+    output_sensitivity,
     train_gates,
     train_step,
 )
 from kvsieve.modeling.gates import RetentionGates, gate_shape
 from kvsieve.modeling.rotary import find_rotary
+from kvsieve.runtime.observing.prefill import observe_prefill
 from kvsieve.selection.checkpoint import read_gates
+from kvsieve.selection.observation import Needs
+from kvsieve.selection.protection import protected_mask
+from kvsieve.selection.spec import make_policy
 from tokenizer import VOCAB_SIZE
 
 SEQ, CAPACITY = 96, 48
@@ -93,13 +105,48 @@ def test_mixing_in_kvzips_kept_entries_alone_moves_the_gates_toward_them(tok, tm
     model = tiny_llama(vocab_size=VOCAB_SIZE)
     data = TrainingData([_ids(seed) for seed in range(4)], {})
     recall = {}
-    for name, settings in {"plain": {}, "kept": {"kvzip_weight": 0.5, "kvzip_kept_only": True}}.items():
+    for name, settings in {"plain": {}, "kept": {"kvzip_weight": 0.5, "kvzip_entries": "kept"}}.items():
         config = TrainConfig(capacity=CAPACITY, steps=30, seq_len=SEQ, lr=3e-2, width=8, **settings)
         gates, _ = train_gates(model, tok, config, tmp_path / name, "tiny", data=data, show_progress=False)
         with torch.no_grad():
             steps = [kvzip_step(model, tok, gates, ids, CAPACITY)["recall"] for ids in data.sequences]
         recall[name] = float(sum(steps)) / len(steps)
     assert recall["kept"] > recall["plain"] + 0.05, recall
+
+
+def test_the_output_sensitivity_is_zero_for_entries_no_drawn_position_reads():
+    model = tiny_llama(vocab_size=VOCAB_SIZE)
+    gates = RetentionGates(gate_shape(model, 8), bias_init=2.0)
+    tape = _tape(model, gates)
+    positions = torch.tensor([3, 20, 40, 59])
+    terms = train_step(model, gates, tape, _ids(0), TrainConfig(capacity=CAPACITY, seq_len=SEQ), positions)
+    sensitivity = output_sensitivity(terms["quality"], tape)
+    assert set(sensitivity) == set(gates.shape.layers)
+    for size in sensitivity.values():
+        assert size.shape == (model.config.num_key_value_heads, SEQ)
+        assert (size[:, 60:] == 0).all()  # read by no drawn query
+        assert (size[:, :59] > 0).any()
+
+
+def test_kvzip_decides_only_where_the_output_is_indifferent(tok):
+    model = tiny_llama(vocab_size=VOCAB_SIZE)
+    gates = RetentionGates(gate_shape(model, 8), bias_init=2.0)
+    ids = _ids(1)
+    moving = torch.arange(SEQ) % 4 == 0  # a quarter of the entries move the output, the rest not at all
+    sensitivity = {layer: moving.float().expand(model.config.num_key_value_heads, SEQ) for layer in gates.shape.layers}
+    teacher = make_policy(KVZIP_TEACHER)
+    with torch.no_grad():
+        loss = kvzip_step(model, tok, gates, ids, CAPACITY, "indifferent", sensitivity)["loss"]
+        observations = observe_prefill(model, ids, Needs(rotary=True) | teacher.needs, tokenizer=tok).observations[0]
+        keep = kvzip_keep(observations, teacher, CAPACITY)
+        still = [~protected_mask(obs, teacher.n_sink, teacher.n_recent) & ~moving for obs in observations]
+        log_p = torch.cat([log_survival(gates, obs)[mask] for obs, mask in zip(observations, still, strict=True)])
+        target = torch.cat([kept[mask] for kept, mask in zip(keep, still, strict=True)])
+    torch.testing.assert_close(loss, keep_loss(log_p, target))  # where the output moves, KVzip stays out
+    small = [torch.tensor([[0.0, 5.0, 1.0, 2.0]]), torch.tensor([[3.0, 9.0, 0.5, 4.0]])]
+    scored = [torch.tensor([[True, True, True, False]]), torch.tensor([[True, False, True, True]])]
+    picked = indifferent_entries(small, scored)  # the scored sizes 0, 5, 1, 3, 0.5, 4: median 1
+    assert [mask.tolist() for mask in picked] == [[[True, False, True, False]], [[False, False, True, False]]]
 
 
 def test_the_answer_weight_adds_the_kl_where_the_answer_is_predicted():
@@ -182,8 +229,9 @@ def test_a_curriculum_trains_each_length_in_its_share_and_resumes_exactly(tmp_pa
         ({"curriculum": (512, 64)}, "capacity 128 must be below every sequence length, got 64"),
         ({"curriculum": (512, 1024, 2048), "steps": 2}, "needs at least as many steps"),
         ({"answer_weight": -1.0}, "answer_weight must be >= 0"),
-        ({"kvzip_kept_only": True}, "give a kvzip_weight > 0"),
-        ({"kvzip_kept_only": True, "target": "kvzip"}, "give a kvzip_weight > 0"),
+        ({"kvzip_entries": "kept"}, "give a kvzip_weight > 0"),
+        ({"kvzip_entries": "indifferent", "target": "kvzip"}, "give a kvzip_weight > 0"),
+        ({"kvzip_entries": "some", "kvzip_weight": 0.1}, "kvzip_entries must be one of"),
         ({"answer_weight": 1.0, "target": "kvzip"}, "target 'kvzip' has no output"),
     ],
 )
@@ -212,16 +260,16 @@ def test_the_command_line_takes_the_mix_and_the_curriculum_and_names_bad_values(
     args = ["train-gates", "--model", str(model_dir), "--out", str(out), "--steps", "2", "--capacity", str(CAPACITY)]
     args += ["--per-task", "0"]
     runner = CliRunner(env={"COLUMNS": "200"})
-    mix = ["--kvzip-weight", "0.25", "--kvzip-kept-only", "--answer-weight", "2"]
+    mix = ["--kvzip-weight", "0.25", "--kvzip-entries", "indifferent", "--answer-weight", "2"]
     result = runner.invoke(app, [*args, *mix, "--curriculum", f"{SEQ},{2 * SEQ}"])
     assert result.exit_code == 0, result.output
     _, record = read_gates(out)
     assert record.data["config"]["kvzip_weight"] == 0.25 and record.data["config"]["curriculum"] == [SEQ, 2 * SEQ]
-    assert record.data["config"]["answer_weight"] == 2.0 and record.data["config"]["kvzip_kept_only"] is True
+    assert record.data["config"]["answer_weight"] == 2.0 and record.data["config"]["kvzip_entries"] == "indifferent"
     for extra, message in [
         (["--kvzip-weight", "2"], "kvzip_weight must be in [0, 1]"),
         (["--answer-weight", "-1"], "answer_weight must be >= 0"),
-        (["--kvzip-kept-only"], "give a kvzip_weight > 0"),
+        (["--kvzip-entries", "kept"], "give a kvzip_weight > 0"),
         (["--curriculum", "96,many"], "is not a comma-separated list of sequence lengths"),
         (["--curriculum", "96,100000"], "is longer than the model's context"),
         (["--kvzip-weight", "0.1", "--capacity", "20"], "capacity 20 leaves KVzip nothing to decide"),

@@ -717,9 +717,10 @@ def train_gates_command(
     kvzip_weight: Annotated[
         float, typer.Option(help="with --target kl: the share of KVzip's keep decision in the objective, 0 to 1")
     ] = TrainConfig.kvzip_weight,
-    kvzip_kept_only: Annotated[
-        bool, typer.Option(help="with --kvzip-weight: teach only the entries KVzip keeps; push none down")
-    ] = TrainConfig.kvzip_kept_only,
+    kvzip_entries: Annotated[
+        str,
+        typer.Option(help="with --kvzip-weight: what KVzip's decision teaches: all, kept (raised alone), indifferent"),
+    ] = TrainConfig.kvzip_entries,
     answer_weight: Annotated[
         float, typer.Option(help="with --target kl: weigh the output again where it predicts a sample's answer")
     ] = TrainConfig.answer_weight,
@@ -736,7 +737,7 @@ def train_gates_command(
     settings = {"capacity": entries, "scope": where, "steps": steps, "seq_len": seq_len, "lam": lam, "ntp": ntp}
     settings |= {"lr": lr, "width": width, "per_task": per_task, "kl_tokens": kl_tokens, "seed": seed}
     settings |= {"teacher_dtype": teacher_dtype, "target": target, "kvzip_weight": kvzip_weight}
-    settings |= {"kvzip_kept_only": kvzip_kept_only, "answer_weight": answer_weight}
+    settings |= {"kvzip_entries": kvzip_entries, "answer_weight": answer_weight}
     settings |= {"curriculum": _parsed("--curriculum", lambda: _lengths(curriculum))}
     config = _parsed("train-gates", lambda: TrainConfig(**settings))
     name = DEFAULT_MODEL if model == "default" else model

@@ -56,16 +56,27 @@ def log_survival(gates: RetentionGates, obs: Observation) -> torch.Tensor:
     return retention_scores(entry_log_beta(gates, obs), obs.positions, obs.length)
 
 
+#: Which evictable entries KVzip's keep decision teaches: every one; the kept ones alone (raised, none pushed
+#: down); or the half whose retention moves the full cache's output least (`indifferent_entries`).
+KEEP_ENTRIES = ("all", "kept", "indifferent")
+
+
 def keep_loss(log_p: torch.Tensor, keep: torch.Tensor, kept_only: bool = False) -> torch.Tensor:
     """Binary cross-entropy of survival probabilities `exp(log_p)` against the keep decision, from the log.
 
-    `kept_only`: the mean `-log p` of the kept entries alone (nothing is pushed down; which entries make room is
-    left to whatever else the objective holds)."""
+    `kept_only`: the mean `-log p` of the kept entries alone (nothing is pushed down)."""
     if kept_only:
         return -log_p[keep].mean()
     log_p = log_p.clamp(max=-1e-6)  # a probability of exactly 1 would make log(1 - p) infinite
     log_not = torch.log(-torch.expm1(log_p))
     return -torch.where(keep, log_p, log_not).mean()
+
+
+def indifferent_entries(sensitivity: list[torch.Tensor], scored: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per layer, bool `[kv_heads, n]`: the `scored` entries whose `sensitivity` (how much the output term moves
+    with their `log beta`) is at most the median over every layer's scored entries."""
+    cut = torch.cat([size[mask] for size, mask in zip(sensitivity, scored, strict=True)]).median()
+    return [mask & (size <= cut) for size, mask in zip(sensitivity, scored, strict=True)]
 
 
 def kvzip_step(
@@ -74,10 +85,14 @@ def kvzip_step(
     gates: RetentionGates,
     ids: torch.Tensor,
     capacity: int,
-    kept_only: bool = False,
+    entries: str = "all",
+    sensitivity: dict[int, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """One sequence: KVzip's keep decision at `capacity`, the gates' loss against it (graph kept; `kept_only`: see
-    `keep_loss`), and the share of KVzip's kept entries the gates rank first (`recall`)."""
+    """One sequence: KVzip's keep decision at `capacity`, the gates' loss against it on `entries` (`KEEP_ENTRIES`;
+    ``"indifferent"`` reads `sensitivity`, per layer `[kv_heads, n]`) with its graph, and the share of KVzip's
+    kept entries the gates rank first (`recall`)."""
+    if entries == "indifferent" and sensitivity is None:
+        raise ValueError("the keep loss on the indifferent entries needs the output's sensitivity per layer")
     teacher = make_policy(KVZIP_TEACHER)
     with torch.no_grad():
         prefill = observe_prefill(model, ids, Needs(rotary=True) | teacher.needs, tokenizer=tokenizer)
@@ -85,8 +100,11 @@ def kvzip_step(
     keep = kvzip_keep(observations, teacher, capacity)
     # the sinks and the recent tail are kept whatever the scores say: they teach nothing
     scored = [~protected_mask(obs, teacher.n_sink, teacher.n_recent) for obs in observations]
-    log_p = torch.cat([log_survival(gates, obs)[mask] for obs, mask in zip(observations, scored, strict=True)])
-    target = torch.cat([kept[mask] for kept, mask in zip(keep, scored, strict=True)])
+    log_p = [log_survival(gates, obs) for obs in observations]
     with torch.no_grad():  # of the entries KVzip keeps, the share the gates rank among as many of their best
-        recall = target[log_p.topk(int(target.sum())).indices].float().mean()
-    return {"loss": keep_loss(log_p, target, kept_only), "recall": recall}
+        ranked, target = (torch.cat([x[mask] for x, mask in zip(xs, scored, strict=True)]) for xs in (log_p, keep))
+        recall = target[ranked.topk(int(target.sum())).indices].float().mean()
+    if entries == "indifferent":
+        scored = indifferent_entries([sensitivity[obs.layer_idx] for obs in observations], scored)
+    log_p, target = (torch.cat([x[mask] for x, mask in zip(xs, scored, strict=True)]) for xs in (log_p, keep))
+    return {"loss": keep_loss(log_p, target, kept_only=entries == "kept"), "recall": recall}

@@ -29,7 +29,7 @@ from ...modeling.rotary import find_rotary
 from ...selection.checkpoint import TrainRecord, save_gates
 from ..progress import progress_bar
 from .data import TrainingData, training_data
-from .kvzip_target import check_capacity, kvzip_step
+from .kvzip_target import KEEP_ENTRIES, check_capacity, kvzip_step
 from .losses import SCOPES, capacity_loss, forward_kl, next_token_loss
 from .retention import RetentionTape, soft_retention
 
@@ -70,8 +70,10 @@ class TrainConfig:
             and `teacher_dtype` do not apply).
         kvzip_weight: with target ``"kl"``, the share of the quality term given to KVzip's keep decision (in
             `[0, 1]`; 0: the full cache's output alone): `(1 - w) * KL + w * keep loss`, then the capacity hinge.
-        kvzip_kept_only: with `kvzip_weight`, teach only the entries KVzip keeps (raise their survival; push none
-            down): which entries make room under the capacity is left to the full cache's output.
+        kvzip_entries: with `kvzip_weight`, the entries the keep loss reads (`KEEP_ENTRIES`): ``"all"`` evictable
+            ones; ``"kept"``: KVzip's kept ones alone (raised, none pushed down); ``"indifferent"``: the half whose
+            `log beta` moves the output term least (its gradient's size, at most the median), so KVzip decides
+            only where the full cache's output does not.
         curriculum: sequence lengths the steps go through in equal shares (e.g. `(1024, 4096)`); empty: `seq_len`.
         answer_weight: with target ``"kl"``, the weight of the mean KL at the positions that predict a training
             sample's gold answer, added to the quality term (0: they count as any drawn position).
@@ -93,7 +95,7 @@ class TrainConfig:
     save_every: int = 25
     target: str = "kl"
     kvzip_weight: float = 0.0
-    kvzip_kept_only: bool = False
+    kvzip_entries: str = "all"
     curriculum: tuple[int, ...] = ()
     answer_weight: float = 0.0
 
@@ -115,8 +117,10 @@ class TrainConfig:
             )
         if self.kvzip_weight and self.target != "kl":
             raise ValueError("kvzip_weight mixes KVzip's keep decision into target 'kl'; target 'kvzip' uses it alone")
-        if self.kvzip_kept_only and not self.kvzip_weight:
-            raise ValueError("kvzip_kept_only changes the keep loss kvzip_weight mixes in: give a kvzip_weight > 0")
+        if self.kvzip_entries not in KEEP_ENTRIES:
+            raise ValueError(f"kvzip_entries must be one of {KEEP_ENTRIES}, got {self.kvzip_entries!r}")
+        if self.kvzip_entries != "all" and not self.kvzip_weight:
+            raise ValueError("kvzip_entries chooses what the keep loss reads: give a kvzip_weight > 0")
         if self.answer_weight < 0:
             raise ValueError(f"answer_weight must be >= 0, got {self.answer_weight}")
         if self.answer_weight and self.target != "kl":
@@ -202,6 +206,14 @@ def train_step(
     return terms | {"loss": quality + config.lam * capacity, "quality": quality, "capacity": capacity}
 
 
+def output_sensitivity(quality: torch.Tensor, tape: RetentionTape) -> dict[int, torch.Tensor]:
+    """Per gated layer, `[kv_heads, T]` how much the output term moves with each entry's `log beta`: the size of its
+    gradient (the graph is kept for the step's own backward)."""
+    layers = list(tape.log_beta)
+    grads = torch.autograd.grad(quality, [tape.log_beta[layer] for layer in layers], retain_graph=True)
+    return {layer: grad[0].abs().detach() for layer, grad in zip(layers, grads, strict=True)}
+
+
 def objective_step(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase | None,
@@ -221,7 +233,8 @@ def objective_step(
     terms = train_step(model, tape.gates, tape, ids, config, positions, answer)
     if not config.kvzip_weight:
         return terms
-    keep = kvzip_step(model, tokenizer, tape.gates, ids, config.capacity, config.kvzip_kept_only)
+    sensitivity = output_sensitivity(terms["quality"], tape) if config.kvzip_entries == "indifferent" else None
+    keep = kvzip_step(model, tokenizer, tape.gates, ids, config.capacity, config.kvzip_entries, sensitivity)
     mixed = config.kvzip_weight * (keep["loss"] - terms["quality"])  # (1 - w) quality + w keep, with the hinge
     return terms | {"loss": terms["loss"] + mixed, "keep": keep["loss"], "recall": keep["recall"]}
 
