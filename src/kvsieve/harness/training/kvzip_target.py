@@ -75,8 +75,13 @@ def keep_loss(log_p: torch.Tensor, keep: torch.Tensor, kept_only: bool = False) 
 def indifferent_entries(sensitivity: list[torch.Tensor], scored: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per layer, bool `[kv_heads, n]`: the `scored` entries whose `sensitivity` (how much the output term moves
     with their `log beta`) is at most the median over every layer's scored entries."""
-    cut = torch.cat([size[mask] for size, mask in zip(sensitivity, scored, strict=True)]).median()
+    cut = _masked(sensitivity, scored).median()
     return [mask & (size <= cut) for size, mask in zip(sensitivity, scored, strict=True)]
+
+
+def _masked(per_layer: list[torch.Tensor], masks: list[torch.Tensor]) -> torch.Tensor:
+    """Every layer's entries under its mask, in one flat tensor."""
+    return torch.cat([x[mask] for x, mask in zip(per_layer, masks, strict=True)])
 
 
 def kvzip_step(
@@ -102,9 +107,9 @@ def kvzip_step(
     scored = [~protected_mask(obs, teacher.n_sink, teacher.n_recent) for obs in observations]
     log_p = [log_survival(gates, obs) for obs in observations]
     with torch.no_grad():  # of the entries KVzip keeps, the share the gates rank among as many of their best
-        ranked, target = (torch.cat([x[mask] for x, mask in zip(xs, scored, strict=True)]) for xs in (log_p, keep))
+        ranked, target = _masked(log_p, scored), _masked(keep, scored)
         recall = target[ranked.topk(int(target.sum())).indices].float().mean()
     if entries == "indifferent":
         scored = indifferent_entries([sensitivity[obs.layer_idx] for obs in observations], scored)
-    log_p, target = (torch.cat([x[mask] for x, mask in zip(xs, scored, strict=True)]) for xs in (log_p, keep))
+    log_p, target = _masked(log_p, scored), _masked(keep, scored)
     return {"loss": keep_loss(log_p, target, kept_only=entries == "kept"), "recall": recall}
