@@ -2,10 +2,10 @@
 
 Every variant changes one thing from the recipe of the model's shipped gates (`train-gates`' defaults: the
 full cache's output as the target, capacity 128 under one global budget, 160 steps of 1,024 tokens of the
-training essays and task samples, seed 0; Gemma-3-270M's: 240 steps, as `make gates-gemma`), is trained (or
-resumed) under `--gates-home`, and is judged as ``trimkv+global`` beside the full cache and ``kvzip+global``
-(5-9 prefills a prompt; on Gemma-3-270M also the heuristics that beat its shipped gates, ``expected`` and
-``vatp+global``) on:
+training essays and task samples, seed 0; Gemma-3-270M's: 240 steps, as `make gates-gemma`), or averages two
+variants' gates (a soup, `kvsieve average-gates`), is trained (or resumed) under `--gates-home`, and is judged
+as ``trimkv+global`` beside the full cache and ``kvzip+global`` (5-9 prefills a prompt; on Gemma-3-270M also the
+heuristics that beat its shipped gates, ``expected`` and ``vatp+global``) on:
 
 - perplexity (docs/protocols.md: a 1,024-token prefix evicted, the next 512 tokens scored) on news bulletins,
   the held-back genre (`kvsieve.harness.data.news`), pooled, with a paired bootstrap over bulletins;
@@ -41,7 +41,9 @@ from kvsieve.harness.models import DEFAULT_MODEL, ModelChoice, cache_home
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table
 from kvsieve.harness.runners import LocalRunner
+from kvsieve.harness.training.soup import average_gates
 from kvsieve.harness.training.train import TrainConfig, train_gates
+from kvsieve.selection.checkpoint import read_gates, shipped_gates_for
 from results_io import RESULTS, Output
 
 RATES = [0.5, 0.75, 0.9, 0.95]
@@ -58,7 +60,17 @@ VARIANTS: dict[str, dict | None] = {
     "head scope": {"scope": "head"},
     "steps 320": {"steps": 320},
     "curriculum 1k-4k": {"curriculum": (1024, 4096)},
+    "capacity 64": {"capacity": 64},
+    "capacity 64 mix30": {"capacity": 64, "kvzip_weight": 0.3},
+    "capacity 32": {"capacity": 32},
 }
+#: Gate soups: the equal-weight parameter average of variants' gates (`kvsieve average-gates`), each variant trained
+#: (or resumed) first; "shipped" is the model's shipped checkpoint.
+SOUPS: dict[str, tuple[str, ...]] = {
+    "soup shipped+mix30": ("shipped", "mix30"),
+    "soup curriculum+mix30": ("curriculum 1k-4k", "mix30"),
+}
+NAMES = [*VARIANTS, *SOUPS]
 #: The rival every variant is paired with (the full cache runs beside each policy).
 BASELINE = "kvzip+global"
 #: Per model: what its shipped gates' recipe changes from `TrainConfig`'s defaults, and the rivals it is judged by.
@@ -68,7 +80,8 @@ RIVALS = {DEFAULT_MODEL: [BASELINE], GEMMA_MODEL: [BASELINE, "expected", "vatp+g
 
 def variant_policy(name: str, home: Path) -> str:
     """The policy string that runs a variant's gates under one global budget."""
-    return "trimkv+global" if VARIANTS[name] is None else f"trimkv+global:gates={home / _folder(name)}"
+    trained = name in SOUPS or VARIANTS[name] is not None
+    return f"trimkv+global:gates={home / _folder(name)}" if trained else "trimkv+global"
 
 
 def _folder(name: str) -> str:
@@ -76,7 +89,14 @@ def _folder(name: str) -> str:
 
 
 def train_variant(model, tokenizer, name: str, home: Path, model_name: str) -> dict:
-    """Train (or resume) a variant of `model_name`'s shipped recipe; what its training recorded."""
+    """Train (or resume) a variant of `model_name`'s shipped recipe, or a soup's ingredients; what training recorded."""
+    if name in SOUPS:
+        ingredients = SOUPS[name]
+        for part in ingredients:
+            train_variant(model, tokenizer, part, home, model_name)
+        folders = [shipped_gates_for(model) if VARIANTS[part] is None else home / _folder(part) for part in ingredients]
+        _, record = read_gates(average_gates(folders, [1 / len(folders)] * len(folders), home / _folder(name)))
+        return {"seconds": record.seconds, "changes": {"soup": list(ingredients)}}
     if VARIANTS[name] is None:
         return {}
     config = TrainConfig(**RECIPES[model_name] | VARIANTS[name])
@@ -160,7 +180,7 @@ TABLE = Output("gate_ablation*", {"": markdown})
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(NAMES), help="comma-separated, of: " + ", ".join(NAMES))
     parser.add_argument("--docs", type=int, default=24)
     parser.add_argument("--samples", type=int, default=15)
     parser.add_argument("--length", type=int, default=1536)
@@ -168,9 +188,9 @@ def main() -> None:
     parser.add_argument("--gates-home", type=Path, help="where variants train (default: the cache's gates/ablation)")
     parser.add_argument("--fresh", action="store_true", help="forget the results already in the JSON")
     args = parser.parse_args()
-    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    unknown = set(args.variants.split(",")) - set(NAMES)
     if unknown:
-        parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(NAMES)}")
     default = args.model == DEFAULT_MODEL
     stem = "gate_ablation" if default else f"gate_ablation_{args.model.replace('-', '_')}"
     home = args.gates_home or cache_home() / "gates" / "ablation" / ("" if default else args.model)
@@ -185,8 +205,8 @@ def main() -> None:
     for label, name in todo.items():
         if label in report["policies"]:
             continue
-        training = train_variant(model, tokenizer, name, home, args.model) if name in VARIANTS else {}
-        policy = variant_policy(name, home) if name in VARIANTS else name
+        training = train_variant(model, tokenizer, name, home, args.model) if name in NAMES else {}
+        policy = variant_policy(name, home) if name in NAMES else name
         result, report["full"] = evaluate(model, tokenizer, policy, args)
         report["policies"][label] = result | {"policy": policy, "training": training}
         TABLE.write(report, stem)  # after every policy, so an interrupted run keeps what it measured

@@ -63,6 +63,7 @@ from .report.html import MANIFEST_FILE, RESULTS_FILE, accuracy_pivot, write_repo
 from .runners import LocalRunner, Runner, run_once
 from .training.data import corpus_training_data
 from .training.losses import SCOPES
+from .training.soup import average_gates
 from .training.train import TrainConfig, check_training, phase_data, train_gates
 
 #: What the demo compares: our best policy first (the default model ships its gates), then heuristics and random.
@@ -750,6 +751,18 @@ def train_gates_command(
         corpus = _parsed("--data", lambda: [corpus_training_data(tokenizer, data, n, config.seed) for n in lengths])
     gates, record = train_gates(lm, tokenizer, config, out, name, data=corpus)
     console.print(f"trained {len(gates.shape.layers)} layers of gates in {record.seconds:.0f} s; wrote {out}")
+
+
+@app.command(name="average-gates")
+def average_gates_command(
+    sources: Annotated[list[Path], typer.Argument(help="gate checkpoint folders of one model, trained from one seed")],
+    out: Annotated[Path, typer.Option(help="where the averaged checkpoint goes")],
+    weights: Annotated[str | None, typer.Option(help="one per checkpoint, summing to 1 (default: equal)")] = None,
+) -> None:
+    """Average retention-gate checkpoints parameter by parameter (a gate soup): one checkpoint between them."""
+    shares = _split(weights, float) if weights else [1 / len(sources)] * len(sources)
+    _parsed("average-gates", lambda: average_gates(sources, shares, out))
+    console.print(f"averaged {len(sources)} gate checkpoints with weights {shares}; wrote {out}")
 
 
 if __name__ == "__main__":
