@@ -1,9 +1,8 @@
 """A gate soup: the weighted average of the parameters of gates trained from the same start (model soups, arXiv
 2203.05482).
 
-Gates trained from the same seed on different objectives (the full cache's output over 4,096 tokens; KVzip's keep
-decision mixed in) stay close enough that their average is a set of gates of its own: one checkpoint, scored in one
-pass like any other, whose ranking sits between its ingredients'.
+Gates trained from one seed on different objectives (the full cache's output; KVzip's keep decision mixed in) average
+into one checkpoint, scored in one pass like any other; what a soup keeps is measured in benchmarks/gate_ablation.py.
 """
 
 from __future__ import annotations
