@@ -95,7 +95,7 @@ def train_variant(model, tokenizer, name: str, home: Path, model_name: str) -> d
         for part in ingredients:
             train_variant(model, tokenizer, part, home, model_name)
         folders = [shipped_gates_for(model) if VARIANTS[part] is None else home / _folder(part) for part in ingredients]
-        _, record = read_gates(average_gates(folders, [1 / len(folders)] * len(folders), home / _folder(name)))
+        _, record = read_gates(average_gates(folders, None, home / _folder(name)))
         return {"seconds": record.seconds, "changes": {"soup": list(ingredients)}}
     if VARIANTS[name] is None:
         return {}

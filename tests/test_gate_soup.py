@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -86,7 +84,7 @@ def test_average_gates_command(tmp_path):
     soup, record = read_gates(tmp_path / "soup")
     name = "scoring.weight"
     torch.testing.assert_close(soup.state_dict()[name], (a.state_dict()[name] + b.state_dict()[name]) / 2)
-    assert dataclasses.asdict(record)["data"]["soup"][0]["weight"] == 0.5
+    assert record.data["soup"][0]["weight"] == 0.5
     bad = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--weights", "0.9,0.3"])
     assert bad.exit_code == 2 and "sum to 1" in bad.output
     missing = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args[:2], str(tmp_path / "nowhere"), *args[3:]])

@@ -760,9 +760,9 @@ def average_gates_command(
     weights: Annotated[str | None, typer.Option(help="one per checkpoint, summing to 1 (default: equal)")] = None,
 ) -> None:
     """Average retention-gate checkpoints parameter by parameter (a gate soup): one checkpoint between them."""
-    shares = _split(weights, float) if weights else [1 / len(sources)] * len(sources)
+    shares = _split(weights, float) if weights else None
     _parsed("average-gates", lambda: average_gates(sources, shares, out))
-    console.print(f"averaged {len(sources)} gate checkpoints with weights {shares}; wrote {out}")
+    console.print(f"averaged {len(sources)} gate checkpoints ({weights or 'equal weights'}); wrote {out}")
 
 
 if __name__ == "__main__":

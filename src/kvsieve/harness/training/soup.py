@@ -39,10 +39,11 @@ def soup_record(records: Sequence[TrainRecord], sources: Sequence[Path], weights
     )
 
 
-def average_gates(sources: Sequence[str | Path], weights: Sequence[float], out: str | Path) -> Path:
-    """Write to `out` the gates whose every parameter is the `weights`-weighted mean of the checkpoints in `sources`
-    (same model, same shape)."""
+def average_gates(sources: Sequence[str | Path], weights: Sequence[float] | None, out: str | Path) -> Path:
+    """Write to `out` the gates whose every parameter is the `weights`-weighted mean (None: equal weights) of the
+    checkpoints in `sources` (same model, same shape)."""
     sources = [Path(source) for source in sources]
+    weights = [1 / len(sources)] * len(sources) if weights is None else weights
     check_weights(weights, len(sources))
     loaded = [read_gates(source) for source in sources]
     (gates, first), rest = loaded[0], loaded[1:]
