@@ -20,6 +20,7 @@ from kvsieve.harness.training.retention import (
 from kvsieve.harness.training.train import TrainConfig, train_gates, train_step
 from kvsieve.modeling.gates import RetentionGates, gate_shape
 from kvsieve.modeling.rotary import find_rotary, rotate_half
+from kvsieve.selection import checkpoint
 from kvsieve.selection.checkpoint import (
     GateCheckpointError,
     TrainRecord,
@@ -177,6 +178,26 @@ def test_checkpoint_round_trip_and_wrong_models(tmp_path):
         kvsieve.compress(model, torch.randint(0, 128, (1, 40)), f"trimkv:gates={tmp_path}+global", rate=0.5)
     with pytest.raises(GateCheckpointError, match="ships no retention gates"):
         kvsieve.compress(model, torch.randint(0, 128, (1, 40)), "trimkv", rate=0.5)
+
+
+def test_shipped_checkpoints_load_by_name_and_the_default_is_the_one_named_after_the_model(tmp_path, monkeypatch):
+    model = tiny_llama()
+    _checkpoint(tmp_path / "replaced-tiny", model, _gates(model, seed=1))  # sorts first: the hash alone finds it
+    _checkpoint(tmp_path / "tiny", model, _gates(model, seed=2))
+    monkeypatch.setattr(checkpoint, "SHIPPED", tmp_path)
+    (tmp_path / "local").mkdir()
+    monkeypatch.chdir(tmp_path / "local")
+    for name in ("default", "tiny", "replaced-tiny"):
+        want = read_gates(tmp_path / ("tiny" if name == "default" else name))[0].state_dict()
+        got = load_gates(name, model).state_dict()
+        assert all(torch.equal(got[k], v) for k, v in want.items()), name
+    assert not torch.equal(load_gates("tiny", model).scoring.weight, load_gates("replaced-tiny", model).scoring.weight)
+    ids = torch.randint(0, 128, (1, 40))
+    names = ("tiny", "default", "replaced-tiny")
+    lengths = [kvsieve.compress(model, ids, f"trimkv+global:gates={name}", rate=0.5).stored_lengths() for name in names]
+    assert lengths[0] == lengths[1]
+    with pytest.raises(GateCheckpointError, match="the shipped checkpoints, by name: replaced-tiny, tiny"):
+        load_gates("tiny-2025", model)
 
 
 @torch.no_grad()

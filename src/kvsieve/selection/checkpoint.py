@@ -2,8 +2,9 @@
 
 `config.json` records the gates' shape, the model (name and weights hash) and how they were
 trained (`TrainRecord`). Loading checks both: gates for another model, or for other dimensions,
-are a clear error. Checkpoints shipped with kvsieve live in `kvsieve/selection/checkpoints/<name>/`;
-``"default"`` picks the shipped one trained for the model at hand.
+are a clear error. Checkpoints shipped with kvsieve live in `kvsieve/selection/checkpoints/<name>/`
+and load by that name; ``"default"`` picks the one trained for the model at hand that is named after
+the model (a checkpoint it replaced keeps shipping under another name, for comparison).
 """
 
 from __future__ import annotations
@@ -72,7 +73,11 @@ def read_gates(folder: str | Path) -> tuple[RetentionGates, TrainRecord]:
     if not (folder / WEIGHTS_FILE).is_file() or not (folder / CONFIG_FILE).is_file():
         stem, _, allocator = str(folder).rpartition("+")
         hint = f"; the allocator goes before the parameters: 'trimkv+{allocator}:gates={stem}'"
-        hint = hint if allocator in ALLOCATORS else ""
+        hint = (
+            hint
+            if allocator in ALLOCATORS
+            else f"; the shipped checkpoints, by name: {', '.join(p.name for p in shipped_checkpoints())}"
+        )
         raise GateCheckpointError(
             f"{folder} is not a retention-gate checkpoint (needs {WEIGHTS_FILE} and {CONFIG_FILE}){hint}"
         )
@@ -91,12 +96,21 @@ def shipped_checkpoints() -> list[Path]:
 
 
 def shipped_gates_for(model: torch.nn.Module) -> Path | None:
-    """The shipped checkpoint trained for `model` (found by its weights hash), or None."""
+    """The default shipped checkpoint for `model`: trained for its weights hash and named after it; or None."""
     fingerprint = model_fingerprint(model)
     for folder in shipped_checkpoints():
-        if json.loads((folder / CONFIG_FILE).read_text())["train"]["model_hash"] == fingerprint:
+        train = json.loads((folder / CONFIG_FILE).read_text())["train"]
+        if train["model_hash"] == fingerprint and folder.name == train["model_name"]:
             return folder
     return None
+
+
+def resolve_gates(source: str | Path) -> Path:
+    """`source` as a folder: itself if it exists, else the shipped checkpoint of that name."""
+    shipped = SHIPPED / str(source)
+    if Path(source).exists() or Path(source).name != str(source) or not (shipped / CONFIG_FILE).is_file():
+        return Path(source)
+    return shipped
 
 
 def check_shape(gates: RetentionGates, model: torch.nn.Module) -> None:
@@ -113,8 +127,8 @@ def check_shape(gates: RetentionGates, model: torch.nn.Module) -> None:
 def load_gates(source: str | Path, model: torch.nn.Module) -> RetentionGates:
     """The gates in `source`, checked against `model`.
 
-    `source` is a checkpoint folder, ``"default"`` (the shipped gates trained for `model`) or
-    ``"untrained"`` (freshly initialised gates, seed 0).
+    `source` is a checkpoint folder, the name of a shipped checkpoint, ``"default"`` (the shipped gates
+    trained for `model`) or ``"untrained"`` (freshly initialised gates, seed 0).
     """
     device = next(model.parameters()).device
     if str(source) == UNTRAINED_GATES:
@@ -129,6 +143,7 @@ def load_gates(source: str | Path, model: torch.nn.Module) -> RetentionGates:
                 f"kvsieve ships no retention gates for this {type(model).__name__} (weights hash {fingerprint}); "
                 "train them with `kvsieve train-gates --model ... --out DIR` and use the policy 'trimkv:gates=DIR'"
             )
+    source = resolve_gates(source)
     gates, record = read_gates(source)
     if record.architecture and record.architecture != type(model).__name__:
         raise GateCheckpointError(
