@@ -14,7 +14,8 @@ heuristics that beat its shipped gates, ``expected`` and ``vatp+global``) on:
   (`niah_ledger`, `niah_locker`), reported apart.
 
 Results are kept per policy in benchmarks/results/gate_ablation.json (Gemma-3-270M:
-gate_ablation_gemma3_270m.json), so a rerun evaluates only what is missing (`--variants` picks the variants;
+gate_ablation_gemma3_270m.json; another `--docs`, `--samples` or `--length` adds it to the name, e.g.
+gate_ablation_samples30.json), so a rerun evaluates only what is missing (`--variants` picks the variants;
 `--fresh` starts over).
 
     python benchmarks/gate_ablation.py [--variants shipped,mix10] [--docs 24] [--samples 15] [--length 1536]
@@ -63,12 +64,16 @@ VARIANTS: dict[str, dict | None] = {
     "capacity 64": {"capacity": 64},
     "capacity 64 mix30": {"capacity": 64, "kvzip_weight": 0.3},
     "capacity 32": {"capacity": 32},
+    "capacity 48": {"capacity": 48},
+    "capacity 32 curriculum": {"capacity": 32, "curriculum": (1024, 4096)},
 }
 #: Gate soups: the equal-weight parameter average of variants' gates (`kvsieve average-gates`), each variant trained
 #: (or resumed) first; "shipped" is the model's shipped checkpoint.
 SOUPS: dict[str, tuple[str, ...]] = {
     "soup shipped+mix30": ("shipped", "mix30"),
     "soup curriculum+mix30": ("curriculum 1k-4k", "mix30"),
+    "soup capacity 32+64": ("capacity 32", "capacity 64"),
+    "soup capacity 32+curriculum": ("capacity 32", "curriculum 1k-4k"),
 }
 NAMES = [*VARIANTS, *SOUPS]
 #: The rival every variant is paired with (the full cache runs beside each policy).
@@ -176,14 +181,15 @@ def markdown(report: dict) -> str:
 
 
 TABLE = Output("gate_ablation*", {"": markdown})
+#: Bulletins, needle samples per task, and the needles' length; results under another setting go to their own file.
+SETTING_DEFAULTS = {"docs": 24, "samples": 15, "length": 1536}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default=",".join(NAMES), help="comma-separated, of: " + ", ".join(NAMES))
-    parser.add_argument("--docs", type=int, default=24)
-    parser.add_argument("--samples", type=int, default=15)
-    parser.add_argument("--length", type=int, default=1536)
+    for name, value in SETTING_DEFAULTS.items():
+        parser.add_argument(f"--{name}", type=int, default=value)
     parser.add_argument("--model", default=DEFAULT_MODEL, choices=list(RECIPES))
     parser.add_argument("--gates-home", type=Path, help="where variants train (default: the cache's gates/ablation)")
     parser.add_argument("--fresh", action="store_true", help="forget the results already in the JSON")
@@ -193,9 +199,10 @@ def main() -> None:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(NAMES)}")
     default = args.model == DEFAULT_MODEL
     stem = "gate_ablation" if default else f"gate_ablation_{args.model.replace('-', '_')}"
+    stem += "".join(f"_{k}{getattr(args, k)}" for k, value in SETTING_DEFAULTS.items() if getattr(args, k) != value)
     home = args.gates_home or cache_home() / "gates" / "ablation" / ("" if default else args.model)
     path = RESULTS / f"{stem}.json"
-    setting = {"docs": args.docs, "samples": args.samples, "length": args.length, "rates": RATES}
+    setting = {key: getattr(args, key) for key in SETTING_DEFAULTS} | {"rates": RATES}
     report = json.loads(path.read_text()) if path.is_file() and not args.fresh else {}
     if {k: report.get(k) for k in setting} != setting:
         report = setting | {"policies": {}}
