@@ -72,12 +72,10 @@ def read_gates(folder: str | Path) -> tuple[RetentionGates, TrainRecord]:
     folder = Path(folder)
     if not (folder / WEIGHTS_FILE).is_file() or not (folder / CONFIG_FILE).is_file():
         stem, _, allocator = str(folder).rpartition("+")
-        hint = f"; the allocator goes before the parameters: 'trimkv+{allocator}:gates={stem}'"
-        hint = (
-            hint
-            if allocator in ALLOCATORS
-            else f"; the shipped checkpoints, by name: {', '.join(p.name for p in shipped_checkpoints())}"
-        )
+        if allocator in ALLOCATORS:
+            hint = f"; the allocator goes before the parameters: 'trimkv+{allocator}:gates={stem}'"
+        else:
+            hint = f"; the shipped checkpoints, by name: {', '.join(p.name for p in shipped_checkpoints())}"
         raise GateCheckpointError(
             f"{folder} is not a retention-gate checkpoint (needs {WEIGHTS_FILE} and {CONFIG_FILE}){hint}"
         )
