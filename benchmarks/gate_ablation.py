@@ -161,13 +161,13 @@ def _per_task(report: dict, rate: float) -> str:
     """Needles answered per task at `rate` (the full cache's beside): which format each group's answers come from."""
     tasks = [task for group in GROUPS.values() for task in group]
 
-    def counts(needles: list[dict]) -> list[str]:
+    def counts(needles: list[dict], at: float) -> list[str]:
         rows = pd.DataFrame(needles)
-        rows = rows[rows["rate"] == rate] if rows["policy"].iloc[0] != "full" else rows
+        rows = rows[rows["rate"] == at]
         return [str(int(rows.loc[rows["task"] == task, "correct"].sum())) for task in tasks]
 
-    body = [["full cache", *counts(report["full"]["needles"])]]
-    body += [[label, *counts(result["needles"])] for label, result in report["policies"].items()]
+    body = [["full cache", *counts(report["full"]["needles"], 0.0)]]  # the full cache's rows carry rate 0
+    body += [[label, *counts(result["needles"], rate)] for label, result in report["policies"].items()]
     caption = f"At {rate:.0%}, needles answered per task (of {report['samples']} each):\n\n"
     return caption + markdown_table(["policy", *tasks], body)
 
