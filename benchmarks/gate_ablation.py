@@ -1,11 +1,11 @@
 """What each change to the gates' training buys at 50-95% question-agnostic eviction, on data no training set uses.
 
-Every variant changes one thing from the recipe of the model's shipped gates (`train-gates`' defaults: the
-full cache's output as the target, capacity 128 under one global budget, 160 steps of 1,024 tokens of the
-training essays and task samples, seed 0; Gemma-3-270M's: 240 steps, as `make gates-gemma`), or averages two
+Every variant changes one thing from the base recipe, that of the gates shipped before issue 39 (`train-gates`'
+defaults: the full cache's output as the target, capacity 128 under one global budget, 160 steps of 1,024 tokens
+of the training essays and task samples, seed 0; Gemma-3-270M's: 240 steps, as `make gates-gemma`), or averages two
 variants' gates (a soup, `kvsieve average-gates`), is trained (or resumed) under `--gates-home`, and is judged
 as ``trimkv+global`` beside the full cache and ``kvzip+global`` (5-9 prefills a prompt; on Gemma-3-270M also the
-heuristics that beat its shipped gates, ``expected`` and ``vatp+global``) on:
+heuristics that beat its base gates, ``expected`` and ``vatp+global``) on:
 
 - perplexity (docs/protocols.md: a 1,024-token prefix evicted, the next 512 tokens scored) on news bulletins,
   the held-back genre (`kvsieve.harness.data.news`), pooled, with a paired bootstrap over bulletins;
@@ -18,7 +18,7 @@ gate_ablation_gemma3_270m.json; another `--docs`, `--samples` or `--length` adds
 gate_ablation_samples30.json), so a rerun evaluates only what is missing (`--variants` picks the variants;
 `--fresh` starts over).
 
-    python benchmarks/gate_ablation.py [--variants shipped,mix10] [--docs 24] [--samples 15] [--length 1536]
+    python benchmarks/gate_ablation.py [--variants "capacity 128,mix10"] [--docs 24] [--samples 15] [--length 1536]
                                        [--model gemma3-270m]
 """
 
@@ -44,14 +44,14 @@ from kvsieve.harness.report import markdown_table
 from kvsieve.harness.runners import LocalRunner
 from kvsieve.harness.training.soup import average_gates
 from kvsieve.harness.training.train import TrainConfig, train_gates
-from kvsieve.selection.checkpoint import read_gates, shipped_gates_for
+from kvsieve.selection.checkpoint import read_gates, resolve_gates
 from results_io import RESULTS, Output
 
 RATES = [0.5, 0.75, 0.9, 0.95]
 GROUPS = {"RULER's format": ("niah_single_2", "niah_multikey_1"), "unseen formats": ("niah_ledger", "niah_locker")}
-#: The variants: what each changes from the shipped recipe (None: the shipped gates themselves, not retrained).
+#: The variants: what each changes from the base recipe (None: the base recipe's shipped gates, not retrained).
 VARIANTS: dict[str, dict | None] = {
-    "shipped": None,
+    "capacity 128": None,
     "kvzip target": {"target": "kvzip"},
     "mix10": {"kvzip_weight": 0.1},
     "mix30": {"kvzip_weight": 0.3},
@@ -68,9 +68,9 @@ VARIANTS: dict[str, dict | None] = {
     "capacity 32 curriculum": {"capacity": 32, "curriculum": (1024, 4096)},
 }
 #: Gate soups: the equal-weight parameter average of variants' gates (`kvsieve average-gates`), each variant trained
-#: (or resumed) first; "shipped" is the model's shipped checkpoint.
+#: (or resumed) first; "capacity 128" is the base recipe's shipped checkpoint.
 SOUPS: dict[str, tuple[str, ...]] = {
-    "soup shipped+mix30": ("shipped", "mix30"),
+    "soup capacity 128+mix30": ("capacity 128", "mix30"),
     "soup curriculum+mix30": ("curriculum 1k-4k", "mix30"),
     "soup capacity 32+64": ("capacity 32", "capacity 64"),
     "soup capacity 32+curriculum": ("capacity 32", "curriculum 1k-4k"),
@@ -78,15 +78,17 @@ SOUPS: dict[str, tuple[str, ...]] = {
 NAMES = [*VARIANTS, *SOUPS]
 #: The rival every variant is paired with (the full cache runs beside each policy).
 BASELINE = "kvzip+global"
-#: Per model: what its shipped gates' recipe changes from `TrainConfig`'s defaults, and the rivals it is judged by.
+#: Per model: what its base recipe changes from `TrainConfig`'s defaults, and the rivals it is judged by.
 RECIPES: dict[str, dict] = {DEFAULT_MODEL: {}, GEMMA_MODEL: {"steps": 240}}
 RIVALS = {DEFAULT_MODEL: [BASELINE], GEMMA_MODEL: [BASELINE, "expected", "vatp+global"]}
+#: Per model: the shipped checkpoint trained by the base recipe (the default model's default gates are capacity 32's).
+BASE_GATES = {DEFAULT_MODEL: "smollm2-135m-capacity128", GEMMA_MODEL: "gemma3-270m"}
 
 
-def variant_policy(name: str, home: Path) -> str:
+def variant_policy(name: str, home: Path, model_name: str) -> str:
     """The policy string that runs a variant's gates under one global budget."""
     trained = name in SOUPS or VARIANTS[name] is not None
-    return f"trimkv+global:gates={home / _folder(name)}" if trained else "trimkv+global"
+    return f"trimkv+global:gates={home / _folder(name) if trained else BASE_GATES[model_name]}"
 
 
 def _folder(name: str) -> str:
@@ -94,12 +96,13 @@ def _folder(name: str) -> str:
 
 
 def train_variant(model, tokenizer, name: str, home: Path, model_name: str) -> dict:
-    """Train (or resume) a variant of `model_name`'s shipped recipe, or a soup's ingredients; what training recorded."""
+    """Train (or resume) a variant of `model_name`'s base recipe, or a soup's ingredients; what training recorded."""
     if name in SOUPS:
         ingredients = SOUPS[name]
         for part in ingredients:
             train_variant(model, tokenizer, part, home, model_name)
-        folders = [shipped_gates_for(model) if VARIANTS[part] is None else home / _folder(part) for part in ingredients]
+        base = resolve_gates(BASE_GATES[model_name])
+        folders = [base if VARIANTS[part] is None else home / _folder(part) for part in ingredients]
         _, record = read_gates(average_gates(folders, None, home / _folder(name)))
         return {"seconds": record.seconds, "changes": {"soup": list(ingredients)}}
     if VARIANTS[name] is None:
@@ -229,7 +232,7 @@ def main() -> None:
         if label in report["policies"]:
             continue
         training = train_variant(model, tokenizer, name, home, args.model) if name in NAMES else {}
-        policy = variant_policy(name, home) if name in NAMES else name
+        policy = variant_policy(name, home, args.model) if name in NAMES else name
         result, report["full"] = evaluate(model, tokenizer, policy, args)
         report["policies"][label] = result | {"policy": policy, "training": training}
         TABLE.write(report, stem)  # after every policy, so an interrupted run keeps what it measured

@@ -1,7 +1,7 @@
 """KVzip against the learned gates and the heuristics, question-agnostic, on needles (arXiv 2505.23416).
 
 `--samples` samples each of `niah_single_2` and `niah_multikey_1` (essay haystack, `--length` tokens),
-the context compressed before the question is seen, at 50 / 75 / 90% eviction; one prefill per sample
+the context compressed before the question is seen, at 50 / 75 / 90 / 95% eviction; one prefill per sample
 (kvzip's reconstruction pass included, which every configuration of the sample then shares). Writes
 benchmarks/results/kvzip_agnostic{.json,.md}.
 
@@ -26,7 +26,7 @@ from results_io import Output
 
 TASKS = "niah_single_2,niah_multikey_1"
 POLICIES = ["trimkv+global", "kvzip+global", "kvzip", "snapkv", "expected", "streaming"]
-RATES = [0.5, 0.75, 0.9]
+RATES = [0.5, 0.75, 0.9, 0.95]
 
 
 def markdown(report: dict) -> str:

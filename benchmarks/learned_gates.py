@@ -7,13 +7,14 @@ at smaller sizes) and only what the gates never saw in training: held-back essay
 samples of the evaluation seed.
 
 - ``ppl``: the perplexity protocol (docs/protocols.md) on held-back essays (6 of the 12 have the 1,537 tokens
-  it needs), rates 0.5 / 0.7 / 0.8 / 0.9.
-- ``tasks``: the RULER and routing suites, question-agnostic and -aware, rates 0.5 / 0.75 / 0.9;
+  it needs), rates 0.5 / 0.7 / 0.8 / 0.9 / 0.95; on the default model also its gates shipped before issue 39
+  (`smollm2-135m-capacity128`).
+- ``tasks``: the RULER and routing suites, question-agnostic and -aware, rates 0.5 / 0.75 / 0.9 / 0.95;
   then every (task, rate) where trimkv+global's accuracy or gold log-prob beats the full cache
   (paired bootstrap over samples), and every one where it falls short.
 - ``stream``: streaming perplexity at fixed budgets over held-back essays.
-- ``crossover``: needle tasks at growing context lengths (the long-distractor setting), rate 0.9.
-- ``length``: needles at the longest length at 50 / 75 / 90%, and the stream stage's PPL change per
+- ``crossover``: needle tasks at growing context lengths (the long-distractor setting), rates 0.9 / 0.95.
+- ``length``: needles at the longest length at 50 / 75 / 90 / 95%, and the stream stage's PPL change per
   position bucket: gates trained at 1,024 tokens, read at 4k and 8k.
 
 Each stage writes `benchmarks/results/learned_gates_<stage>.{json,md}` (Gemma: `learned_gemma3_270m_<stage>`);
@@ -55,6 +56,11 @@ RECONSTRUCTING = ["kvzip+global", "kvzip"]
 RIVALS = [*RECONSTRUCTING, *HEURISTICS]
 #: The claim is tested for this policy.
 CLAIMANT = "trimkv+global"
+#: Per model, its gates shipped before the present default ones, run beside them (and paired) in the ppl stage.
+PREVIOUS = {"default": ["trimkv+global:gates=smollm2-135m-capacity128"]}
+PPL_RATES = [0.5, 0.7, 0.8, 0.9, 0.95]
+TASK_RATES = [0.5, 0.75, 0.9, 0.95]
+CROSSOVER_RATES = [0.9, 0.95]
 #: Sizes chosen to fit about an hour on 2 CPU cores: 3 samples per task (33 RULER and 21 routing samples per
 #: mode; the pooled rows, task "all", carry the intervals), 5 per needle task and length.
 FULL_RUN = {"docs": 6, "samples": 3, "length": 1024, "stream_docs": 2, "stream_tokens": 8192}
@@ -69,10 +75,10 @@ GEMMA_RUN |= {"budgets": [256, 512], "needle_samples": 3, "lengths": "1024,4096"
 def stage_ppl(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict:
     _, heldout = essay_split()
     documents = sample_documents(tokenizer, args.docs, 1024 + 512 + 1, names=heldout)
-    policies = [*LEARNED, *RIVALS]
+    policies = [*LEARNED, *PREVIOUS.get(args.model, []), *RIVALS]
     with progress_bar("perplexity, held-back essays") as progress:
-        result = run_ppl(LocalRunner(model, tokenizer), documents, policies, [0.5, 0.7, 0.8, 0.9], progress=progress)
-    paired = _paired_rows(result)
+        result = run_ppl(LocalRunner(model, tokenizer), documents, policies, PPL_RATES, progress=progress)
+    paired = _paired_rows(result, [*PREVIOUS.get(args.model, []), *RIVALS])
     nll = {f"{policy}@{rate}": values for (policy, rate), values in result.nll.items()}
     return result.to_json() | {"paired": paired, "nll": nll | {"full": result.nll_full}}
 
@@ -83,7 +89,7 @@ def stage_tasks(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict:
         samples = task_samples(suite, tokenizer, length=args.length, n=args.samples, seed=0)
         with progress_bar(f"{suite}: agnostic and aware") as progress:
             frames.append(
-                run_sweep(LocalRunner(model, tokenizer), samples, [*LEARNED[:3], *RIVALS], [0.5, 0.75, 0.9],
+                run_sweep(LocalRunner(model, tokenizer), samples, [*LEARNED[:3], *RIVALS], TASK_RATES,
                     ("agnostic", "aware"), diagnostics=False, progress=progress,
                 )
             )  # fmt: skip
@@ -113,7 +119,7 @@ def stage_crossover(model: Any, tokenizer: Any, args: argparse.Namespace) -> dic
                 LocalRunner(model, tokenizer),
                 samples,
                 [CLAIMANT, RECONSTRUCTING[0], "snapkv"],
-                [0.9],
+                CROSSOVER_RATES,
                 diagnostics=False,
                 progress=progress,
             )
@@ -133,7 +139,7 @@ def stage_length(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict:
             LocalRunner(model, tokenizer),
             samples,
             [CLAIMANT, RECONSTRUCTING[0], "snapkv"],
-            [0.5, 0.75, 0.9],
+            TASK_RATES,
             diagnostics=False,
             progress=progress,
         )
@@ -164,12 +170,12 @@ def position_markdown(rows: list[dict]) -> str:
     return markdown_table(header, body) + "\n\n" + caption
 
 
-def _paired_rows(result: PplResult) -> list[dict]:
+def _paired_rows(result: PplResult, rivals: list[str]) -> list[dict]:
     """The claimant against each rival on the same documents: pooled PPL change, paired bootstrap over documents."""
     out = []
     for rate in result.rates:
         mine = np.array(result.nll[CLAIMANT, rate])
-        for rival in RIVALS:
+        for rival in rivals:
             theirs = np.array(result.nll[rival, rate])
             lo, hi = bootstrap_delta_ci(mine, theirs, result.tokens)
             delta = pooled_delta_pct(mine, theirs, result.tokens)
@@ -289,13 +295,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", default=",".join(STAGES))
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, results not written")
-    parser.add_argument("--model", default=None, help="default, or gemma3-270m (its shipped gates, smaller sizes)")
+    parser.add_argument("--model", default="default", help="default, or gemma3-270m (its shipped gates, smaller sizes)")
     args = parser.parse_args()
     sizes = QUICK if args.quick else GEMMA_RUN if args.model == GEMMA_MODEL else FULL_RUN
     for key, value in sizes.items():
         setattr(args, key, value)
     model, tokenizer = kvsieve.load_model(None if args.model == "default" else args.model)
-    args.prefix = "learned_gates" if args.model in (None, "default") else f"learned_{args.model.replace('-', '_')}"
+    args.prefix = "learned_gates" if args.model == "default" else f"learned_{args.model.replace('-', '_')}"
     for name in args.stages.split(","):
         stage, output = STAGES[name]
         start = time.perf_counter()

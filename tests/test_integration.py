@@ -71,11 +71,15 @@ def test_default_model_h2o_generation_stays_bounded_and_starts_as_the_full_cache
 @torch.no_grad()
 def test_shipped_gates_load_and_compress_the_default_model(default_model):
     """The trimkv checkpoint inside the package is found by the model's weights hash and evicts for real."""
-    from kvsieve.selection.checkpoint import load_gates, shipped_checkpoints
+    from kvsieve.selection.checkpoint import load_gates, read_gates, shipped_checkpoints, shipped_gates_for
 
     model, tokenizer = default_model
-    assert [folder.name for folder in shipped_checkpoints()] == ["gemma3-270m", "smollm2-135m"]
+    names = ["gemma3-270m", "smollm2-135m", "smollm2-135m-capacity128"]
+    assert [folder.name for folder in shipped_checkpoints()] == names
+    assert read_gates(shipped_gates_for(model))[1].capacity == 32, "issue 39's gates are the default"
     gates = load_gates("default", model)
+    previous = load_gates("smollm2-135m-capacity128", model)  # the gates they replaced, by name
+    assert not torch.equal(previous.scoring.weight, gates.scoring.weight)
     assert gates.shape.layers == tuple(range(30)) and (gates.shape.kv_heads, gates.shape.head_dim) == (3, 64)
     _, ids = sample_documents(tokenizer, 1, 400, seed=2)[0]
     full = kvsieve.observe_prefill(model, ids[:, :-1]).cache.nbytes()
