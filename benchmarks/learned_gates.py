@@ -75,10 +75,10 @@ GEMMA_RUN |= {"budgets": [256, 512], "needle_samples": 3, "lengths": "1024,4096"
 def stage_ppl(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict:
     _, heldout = essay_split()
     documents = sample_documents(tokenizer, args.docs, 1024 + 512 + 1, names=heldout)
-    policies = [*LEARNED, *PREVIOUS.get(args.model, []), *RIVALS]
+    rivals = [*PREVIOUS.get(args.model, []), *RIVALS]
     with progress_bar("perplexity, held-back essays") as progress:
-        result = run_ppl(LocalRunner(model, tokenizer), documents, policies, PPL_RATES, progress=progress)
-    paired = _paired_rows(result, [*PREVIOUS.get(args.model, []), *RIVALS])
+        result = run_ppl(LocalRunner(model, tokenizer), documents, [*LEARNED, *rivals], PPL_RATES, progress=progress)
+    paired = _paired_rows(result, rivals)
     nll = {f"{policy}@{rate}": values for (policy, rate), values in result.nll.items()}
     return result.to_json() | {"paired": paired, "nll": nll | {"full": result.nll_full}}
 
