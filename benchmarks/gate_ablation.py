@@ -3,9 +3,10 @@
 Every variant changes one thing from the base recipe, that of the gates shipped before issue 39 (`train-gates`'
 defaults: the full cache's output as the target, capacity 128 under one global budget, 160 steps of 1,024 tokens
 of the training essays and task samples, seed 0; Gemma-3-270M's: 240 steps, as `make gates-gemma`), or averages two
-variants' gates (a soup, `kvsieve average-gates`), is trained (or resumed) under `--gates-home`, and is judged
-as ``trimkv+global`` beside the full cache and ``kvzip+global`` (5-9 prefills a prompt; on Gemma-3-270M also the
-heuristics that beat its base gates, ``expected`` and ``vatp+global``) on:
+variants' gates (a soup, `kvsieve average-gates`), is trained (or resumed) under `--gates-home` (a finished checkpoint
+already in a variant's folder, made with its settings elsewhere, e.g. `train-gates --device cuda`, is taken as it is,
+its time marked "elsewhere"), and is judged as ``trimkv+global`` beside the full cache and ``kvzip+global`` (5-9
+prefills a prompt; on Gemma-3-270M also the heuristics that beat its base gates, ``expected`` and ``vatp+global``) on:
 
 - perplexity (docs/protocols.md: a 1,024-token prefix evicted, the next 512 tokens scored) on news bulletins,
   the held-back genre (`kvsieve.harness.data.news`), pooled, with a paired bootstrap over bulletins;
@@ -15,16 +16,17 @@ heuristics that beat its base gates, ``expected`` and ``vatp+global``) on:
 
 Results are kept per policy in benchmarks/results/gate_ablation.json (Gemma-3-270M:
 gate_ablation_gemma3_270m.json; another `--docs`, `--samples` or `--length` adds it to the name, e.g.
-gate_ablation_samples30.json), so a rerun evaluates only what is missing (`--variants` picks the variants;
-`--fresh` starts over).
+gate_ablation_samples30.json, and so does a `--device` other than the CPU: gate_ablation_cuda.json), so a rerun
+evaluates only what is missing (`--variants` picks the variants; `--fresh` starts over).
 
     python benchmarks/gate_ablation.py [--variants "capacity 128,mix10"] [--docs 24] [--samples 15] [--length 1536]
-                                       [--model gemma3-270m]
+                                       [--model gemma3-270m] [--device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -38,13 +40,13 @@ from kvsieve.harness.eval import run_ppl
 from kvsieve.harness.eval.stats import bootstrap_delta_ci, bootstrap_mean_ci, pooled_delta_pct, pooled_ppl
 from kvsieve.harness.eval.sweep import run_sweep
 from kvsieve.harness.gemma import GEMMA_MODEL
-from kvsieve.harness.models import DEFAULT_MODEL, ModelChoice, cache_home
+from kvsieve.harness.models import DEFAULT_MODEL, ModelChoice, cache_home, torch_device
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table
 from kvsieve.harness.runners import LocalRunner
 from kvsieve.harness.training.soup import average_gates
-from kvsieve.harness.training.train import TrainConfig, train_gates
-from kvsieve.selection.checkpoint import read_gates, resolve_gates
+from kvsieve.harness.training.train import STATE_FILE, TrainConfig, train_gates
+from kvsieve.selection.checkpoint import TrainRecord, read_gates, resolve_gates
 from results_io import RESULTS, Output
 
 RATES = [0.5, 0.75, 0.9, 0.95]
@@ -67,6 +69,11 @@ VARIANTS: dict[str, dict | None] = {
     "capacity 32": {"capacity": 32},
     "capacity 48": {"capacity": 48},
     "capacity 32 curriculum": {"capacity": 32, "curriculum": (1024, 4096)},
+    "capacity 32 seed 1": {"capacity": 32, "seed": 1},
+    "capacity 32 seed 2": {"capacity": 32, "seed": 2},
+    "capacity 16": {"capacity": 16},
+    "capacity 32 per-task 9": {"capacity": 32, "per_task": 9},
+    "capacity 32 steps 320": {"capacity": 32, "steps": 320},
 }
 #: Gate soups: the equal-weight parameter average of variants' gates (`kvsieve average-gates`), each variant trained
 #: (or resumed) first; "capacity 128" is the base recipe's shipped checkpoint.
@@ -109,11 +116,24 @@ def train_variant(model, tokenizer, name: str, home: Path, model_name: str) -> d
     if VARIANTS[name] is None:
         return {}
     config = TrainConfig(**RECIPES[model_name] | VARIANTS[name])
-    _, record = train_gates(model, tokenizer, config, home / _folder(name), model_name)
+    folder = home / _folder(name)
+    record = _trained_elsewhere(folder, config)
+    elsewhere = record is not None
+    if record is None:
+        _, record = train_gates(model, tokenizer, config, folder, model_name)
     return {
         "seconds": record.seconds,
         "changes": {k: list(v) if isinstance(v, tuple) else v for k, v in VARIANTS[name].items()},
-    }
+    } | ({"elsewhere": True} if elsewhere else {})
+
+
+def _trained_elsewhere(folder: Path, config: TrainConfig) -> TrainRecord | None:
+    """The record of a finished checkpoint in `folder` made with `config` by a run that kept no resumable state
+    (`train-gates --out` on another machine, e.g. with `--device cuda`, its `train_state.pt` left behind)."""
+    if (folder / STATE_FILE).is_file() or not (folder / "config.json").is_file():
+        return None
+    _, record = read_gates(folder)
+    return record if record.data.get("config") == json.loads(json.dumps(dataclasses.asdict(config))) else None
 
 
 def evaluate(model, tokenizer, policy: str, args: argparse.Namespace) -> tuple[dict, dict]:
@@ -130,6 +150,13 @@ def evaluate(model, tokenizer, policy: str, args: argparse.Namespace) -> tuple[d
     mine = {"nll": {str(rate): values for (_, rate), values in ppl.nll.items()}}
     theirs = {"nll": ppl.nll_full, "tokens": ppl.tokens.tolist(), "needles": rows[full].to_dict("records")}
     return mine | {"needles": rows[~full].to_dict("records")}, theirs
+
+
+def _training_cell(training: dict) -> str:
+    """A variant's training time; marked where the checkpoint was trained on another machine (docs say which)."""
+    if not training.get("seconds"):
+        return ""
+    return f"{training['seconds']:.0f} s" + (" (elsewhere)" if training.get("elsewhere") else "")
 
 
 def _needle_counts(needles: list[dict]) -> list[str]:
@@ -151,13 +178,30 @@ def _paired(report: dict, label: str, rate: float) -> list[str]:
     lo, hi = bootstrap_delta_ci(a, b, tokens)
     cells = [f"{pooled_delta_pct(a, b, tokens):+.2f}% [{lo:+.2f}, {hi:+.2f}]"]
     ours, theirs = (pd.DataFrame(x["needles"]) for x in (mine, base))
-    joined = ours[ours["rate"] == rate].merge(theirs[theirs["rate"] == rate], on=["sample", "task"])
+    return cells + _more_answered(ours[ours["rate"] == rate], theirs[theirs["rate"] == rate])
+
+
+def _more_answered(ours: pd.DataFrame, theirs: pd.DataFrame) -> list[str]:
+    """Per needle group, how many more of the same samples `ours` answered than `theirs`, with a 95% interval."""
+    joined = ours.merge(theirs, on=["sample", "task"])
+    cells = []
     for tasks in GROUPS.values():
         group = joined[joined["task"].isin(tasks)]
         diff = group["correct_x"].astype(float) - group["correct_y"].astype(float)
         lo, hi = (len(diff) * x for x in bootstrap_mean_ci(diff.to_numpy()))
         cells.append(f"{diff.sum():+.0f} [{lo:+.1f}, {hi:+.1f}] of {len(diff)}")
     return cells
+
+
+def _against_full(report: dict, rates: tuple[float, ...] = (0.5, 0.75)) -> str:
+    """Each policy's needles against the full cache's on the same samples at `rates`: does it stay level?"""
+    full = pd.DataFrame(report["full"]["needles"])
+    body = []
+    for label, result in report["policies"].items():
+        rows = pd.DataFrame(result["needles"])
+        body += [[label, f"{rate:.0%}", *_more_answered(rows[rows["rate"] == rate], full)] for rate in rates]
+    columns = ["policy", "eviction", *(f"needles, {g}: more answered than the full cache" for g in GROUPS)]
+    return "Paired against the full cache on the same samples:\n\n" + markdown_table(columns, body)
 
 
 def _per_task(report: dict, rate: float) -> str:
@@ -175,8 +219,8 @@ def _per_task(report: dict, rate: float) -> str:
 
 
 def markdown(report: dict) -> str:
-    """Every policy at every rate, the needles per task at 90%, then (once measured) each variant against the
-    baseline at 90% and 95%, paired."""
+    """Every policy at every rate, the needles per task at 90%, every policy against the full cache at 50% and 75%,
+    then (once measured) each variant against the baseline at 90% and 95%, paired."""
     tokens, full_nll = np.array(report["full"]["tokens"]), np.array(report["full"]["nll"])
     rates = " / ".join(f"{r:.0%}" for r in RATES)
     header = ["policy", f"PPL change at {rates}", *(f"needles, {g}, at {rates}" for g in GROUPS), "training"]
@@ -184,9 +228,8 @@ def markdown(report: dict) -> str:
     body = [["full cache", reference, *_needle_counts(report["full"]["needles"]), ""]]
     for label, result in report["policies"].items():
         ppl = " / ".join(f"{pooled_delta_pct(np.array(v), full_nll, tokens):+.2f}%" for v in result["nll"].values())
-        seconds = result.get("training", {}).get("seconds")
-        body.append([label, ppl, *_needle_counts(result["needles"]), f"{seconds:.0f} s" if seconds else ""])
-    tables = [markdown_table(header, body), _per_task(report, 0.9)]
+        body.append([label, ppl, *_needle_counts(result["needles"]), _training_cell(result.get("training", {}))])
+    tables = [markdown_table(header, body), _per_task(report, 0.9), _against_full(report)]
     for rate in (0.9, 0.95) if BASELINE in report["policies"] else ():
         paired = [[label, *_paired(report, label, rate)] for label in report["policies"] if label != BASELINE]
         columns = [
@@ -211,6 +254,7 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, choices=list(RECIPES))
     parser.add_argument("--gates-home", type=Path, help="where variants train (default: the cache's gates/ablation)")
     parser.add_argument("--fresh", action="store_true", help="forget the results already in the JSON")
+    parser.add_argument("--device", default="cpu", help="where the model runs and variants train (cpu, cuda, ...)")
     args = parser.parse_args()
     unknown = set(args.variants.split(",")) - set(NAMES)
     if unknown:
@@ -218,13 +262,18 @@ def main() -> None:
     default = args.model == DEFAULT_MODEL
     stem = "gate_ablation" if default else f"gate_ablation_{args.model.replace('-', '_')}"
     stem += "".join(f"_{k}{getattr(args, k)}" for k, value in SETTING_DEFAULTS.items() if getattr(args, k) != value)
+    try:
+        device = torch_device(args.device)
+    except ValueError as error:
+        parser.error(str(error))
+    stem += "" if device.type == "cpu" else f"_{device.type}"
     home = args.gates_home or cache_home() / "gates" / "ablation" / ("" if default else args.model)
     path = RESULTS / f"{stem}.json"
     setting = {key: getattr(args, key) for key in SETTING_DEFAULTS} | {"rates": RATES}
     report = json.loads(path.read_text()) if path.is_file() and not args.fresh else {}
     if {k: report.get(k) for k in setting} != setting:
         report = setting | {"policies": {}}
-    model, tokenizer = ModelChoice(None if default else args.model).load()
+    model, tokenizer = ModelChoice(None if default else args.model, device).load()
     todo = {f"trimkv+global ({name})": name for name in args.variants.split(",")}
     todo |= {rival: rival for rival in RIVALS[args.model]}
     for label, name in todo.items():
