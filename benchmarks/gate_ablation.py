@@ -46,7 +46,7 @@ from kvsieve.harness.report import markdown_table
 from kvsieve.harness.runners import LocalRunner
 from kvsieve.harness.training.soup import average_gates
 from kvsieve.harness.training.train import STATE_FILE, TrainConfig, train_gates
-from kvsieve.selection.checkpoint import TrainRecord, read_gates, resolve_gates
+from kvsieve.selection.checkpoint import CONFIG_FILE, TrainRecord, read_gates, resolve_gates
 from results_io import RESULTS, Output
 
 RATES = [0.5, 0.75, 0.9, 0.95]
@@ -130,7 +130,7 @@ def train_variant(model, tokenizer, name: str, home: Path, model_name: str) -> d
 def _trained_elsewhere(folder: Path, config: TrainConfig) -> TrainRecord | None:
     """The record of a finished checkpoint in `folder` made with `config` by a run that kept no resumable state
     (`train-gates --out` on another machine, e.g. with `--device cuda`, its `train_state.pt` left behind)."""
-    if (folder / STATE_FILE).is_file() or not (folder / "config.json").is_file():
+    if (folder / STATE_FILE).is_file() or not (folder / CONFIG_FILE).is_file():
         return None
     _, record = read_gates(folder)
     return record if record.data.get("config") == json.loads(json.dumps(dataclasses.asdict(config))) else None
