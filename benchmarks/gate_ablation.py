@@ -69,6 +69,8 @@ VARIANTS: dict[str, dict | None] = {
     "capacity 32": {"capacity": 32},
     "capacity 48": {"capacity": 48},
     "capacity 32 curriculum": {"capacity": 32, "curriculum": (1024, 4096)},
+    "capacity 32 curriculum seed 1": {"capacity": 32, "curriculum": (1024, 4096), "seed": 1},
+    "capacity 32 curriculum seed 2": {"capacity": 32, "curriculum": (1024, 4096), "seed": 2},
     "capacity 32 seed 1": {"capacity": 32, "seed": 1},
     "capacity 32 seed 2": {"capacity": 32, "seed": 2},
     "capacity 16": {"capacity": 16},
