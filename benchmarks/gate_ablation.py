@@ -17,10 +17,11 @@ prefills a prompt; on Gemma-3-270M also the heuristics that beat its base gates,
 Results are kept per policy in benchmarks/results/gate_ablation.json (Gemma-3-270M:
 gate_ablation_gemma3_270m.json; another `--docs`, `--samples` or `--length` adds it to the name, e.g.
 gate_ablation_samples30.json, and so does a `--device` other than the CPU: gate_ablation_cuda.json), so a rerun
-evaluates only what is missing (`--variants` picks the variants; `--fresh` starts over).
+evaluates only what is missing (`--variants` picks the variants; `--fresh` starts over). `--policies` judges
+specs as given beside them, e.g. the shipped gates under another scorer parameter (`trimkv+global:horizon=inf`).
 
     python benchmarks/gate_ablation.py [--variants "capacity 128,mix10"] [--docs 24] [--samples 15] [--length 1536]
-                                       [--model gemma3-270m] [--device cuda]
+                                       [--model gemma3-270m] [--device cuda] [--policies "SPEC;SPEC"]
 """
 
 from __future__ import annotations
@@ -253,12 +254,14 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(NAMES), help="comma-separated, of: " + ", ".join(NAMES))
     for name, value in SETTING_DEFAULTS.items():
         parser.add_argument(f"--{name}", type=int, default=value)
+    parser.add_argument("--policies", default="", help="semicolon-separated specs judged as given (scorer parameters)")
     parser.add_argument("--model", default=DEFAULT_MODEL, choices=list(RECIPES))
     parser.add_argument("--gates-home", type=Path, help="where variants train (default: the cache's gates/ablation)")
     parser.add_argument("--fresh", action="store_true", help="forget the results already in the JSON")
     parser.add_argument("--device", default="cpu", help="where the model runs and variants train (cpu, cuda, ...)")
     args = parser.parse_args()
-    unknown = set(args.variants.split(",")) - set(NAMES)
+    variants = list(filter(None, args.variants.split(",")))
+    unknown = set(variants) - set(NAMES)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(NAMES)}")
     default = args.model == DEFAULT_MODEL
@@ -276,8 +279,8 @@ def main() -> None:
     if {k: report.get(k) for k in setting} != setting:
         report = setting | {"policies": {}}
     model, tokenizer = ModelChoice(None if default else args.model, device).load()
-    todo = {f"trimkv+global ({name})": name for name in args.variants.split(",")}
-    todo |= {rival: rival for rival in RIVALS[args.model]}
+    todo = {f"trimkv+global ({name})": name for name in variants}
+    todo |= {rival: rival for rival in [*RIVALS[args.model], *filter(None, args.policies.split(";"))]}
     for label, name in todo.items():
         if label in report["policies"]:
             continue

@@ -9,6 +9,7 @@ import torch
 
 import kvsieve
 from conftest import tiny_gemma3, tiny_llama
+from kvsieve import PolicyError
 from kvsieve.harness.training.data import TrainingData
 from kvsieve.harness.training.losses import capacity_loss, expected_kept
 from kvsieve.harness.training.retention import (
@@ -213,8 +214,47 @@ def test_trimkv_scores_decay_as_distance_times_log_beta(tmp_path):
         hidden = model.model.layers[obs.layer_idx].input_layernorm(out.hidden_states[obs.layer_idx])
         keys = attn.k_proj(hidden).view(60, 2, 16).transpose(0, 1)
         values = attn.v_proj(hidden).view(60, 2, 16).transpose(0, 1)
-        expected = (60 - torch.arange(60)) * gates.log_beta(obs.layer_idx, keys, values)
+        log_beta = gates.log_beta(obs.layer_idx, keys, values)
+        expected = (60 - torch.arange(60)) * log_beta
         torch.testing.assert_close(policy.scorer.score(obs), expected, atol=1e-5, rtol=1e-5)
+        ahead = kvsieve.make_policy("trimkv:gates=untrained,horizon=100").scorer.score(obs)
+        torch.testing.assert_close(ahead, (160 - torch.arange(60)) * log_beta, atol=1e-5, rtol=1e-5)
+        forever = kvsieve.make_policy("trimkv:gates=untrained,horizon=inf").scorer.score(obs)
+        torch.testing.assert_close(forever, log_beta, atol=1e-6, rtol=1e-6)
+
+
+@torch.no_grad()
+def test_a_horizon_ahead_keeps_slowly_decaying_entries_over_recent_ones(tmp_path):
+    """At the next step a recent entry that decays fast can outrank an old one that barely decays; at ``inf``
+    only `log beta` counts, pooled over layers and heads by the global allocator."""
+    model = tiny_llama()
+    gates = _gates(model)
+    torch.nn.init.normal_(gates.scoring.weight, std=1.0)
+    _checkpoint(tmp_path, model, gates)
+    ids = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(3))
+    caches = {
+        horizon: kvsieve.compress(model, ids, f"trimkv+global:gates={tmp_path},horizon={horizon}", rate=0.75)
+        for horizon in ("0", "inf")
+    }
+    def mean_evictable_position(cache) -> float:
+        kept = torch.cat([p for layer in range(2) for p in cache.kept_positions(layer)])
+        return float(kept[(kept >= 1) & (kept < 68)].float().mean())  # a sink and 32 recent entries are kept
+
+    mean_position = {h: mean_evictable_position(c) for h, c in caches.items()}
+    assert mean_position["inf"] < mean_position["0"] - 2, "further ahead, older entries are kept"
+    policy = kvsieve.make_policy(f"trimkv+global:gates={tmp_path},horizon=inf")
+    assert policy.name == f"trimkv+global:gates={tmp_path},horizon=inf"
+    prefill = kvsieve.observe_prefill(model, ids, policy.needs)
+    evictable = [policy.scorer.score(obs)[:, 1:-32] for obs in prefill.observations[0]]  # a sink, 32 recent
+    stored = caches["inf"].stored_lengths()
+    kept = sum(n - 33 for layer in stored for n in layer)
+    threshold = torch.cat([s.flatten() for s in evictable]).topk(kept).values.min()
+    for layer, scores in enumerate(evictable):
+        for head, head_scores in enumerate(scores):
+            assert stored[layer][head] - 33 == int((head_scores >= threshold).sum())
+    for bad in ("-1", "nan"):
+        with pytest.raises(PolicyError, match="horizon must be a number of tokens >= 0 or inf"):
+            kvsieve.make_policy(f"trimkv:horizon={bad}")
 
 
 @torch.no_grad()

@@ -110,6 +110,6 @@ def entry_features(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.cat([keys / rms[0], values / rms[1], rms[0].log(), rms[1].log()], dim=-1)
 
 
-def retention_scores(log_beta: torch.Tensor, positions: torch.Tensor, now: int) -> torch.Tensor:
+def retention_scores(log_beta: torch.Tensor, positions: torch.Tensor, now: float) -> torch.Tensor:
     """Geometric retention at time `now`: `(now - position) * log beta` (<= 0; higher = keep)."""
     return (now - positions).to(log_beta.dtype) * log_beta

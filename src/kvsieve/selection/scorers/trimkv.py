@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -20,11 +21,20 @@ class TrimKVScorer:
     `gates` is a checkpoint folder, or ``"default"`` for the one kvsieve ships for the model. The
     gates read each entry's key (RoPE undone) and value; every layer and head shares one scoring
     projection, so scores compare across layers and heads: the `global` allocator takes them raw.
+
+    `horizon` is how many tokens after the last one the retentions `beta^(t - i)` are compared: 0 is
+    TrimKV's own next step, which favours recent entries; further ahead, an entry that decays slowly
+    outranks a recent one that decays fast, and ``inf`` ranks by `log beta` alone.
     """
 
     name: ClassVar[str] = "trimkv"
     calibrated: ClassVar[bool] = True
     gates: str = DEFAULT_GATES
+    horizon: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.horizon >= 0:  # NaN too
+            raise ValueError(f"horizon must be a number of tokens >= 0 or inf, got {self.horizon}")
 
     @property
     def needs(self) -> Needs:
@@ -34,8 +44,11 @@ class TrimKVScorer:
         gates = obs.facts.gates.get(self.gates)
         if obs.rotary is None or gates is None:
             raise ValueError(f"trimkv needs the rotary embedding and the gates {self.gates!r} (Needs.rotary, .gates)")
+        log_beta = entry_log_beta(gates, obs)
+        if math.isinf(self.horizon):
+            return log_beta
         now = obs.seen if obs.seen is not None else int(obs.positions.max()) + 1
-        return retention_scores(entry_log_beta(gates, obs), obs.positions, now)
+        return retention_scores(log_beta, obs.positions, now + self.horizon)
 
 
 def entry_log_beta(gates: RetentionGates, obs: Observation) -> torch.Tensor:
