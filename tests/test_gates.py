@@ -236,9 +236,10 @@ def test_a_horizon_ahead_keeps_slowly_decaying_entries_over_recent_ones(tmp_path
         horizon: kvsieve.compress(model, ids, f"trimkv+global:gates={tmp_path},horizon={horizon}", rate=0.75)
         for horizon in ("0", "inf")
     }
+
     def mean_evictable_position(cache) -> float:
-        kept = torch.cat([p for layer in range(2) for p in cache.kept_positions(layer)])
-        return float(kept[(kept >= 1) & (kept < 68)].float().mean())  # a sink and 32 recent entries are kept
+        positions = torch.cat([p for layer in range(2) for p in cache.kept_positions(layer)])
+        return float(positions[(positions >= 1) & (positions < 68)].float().mean())  # a sink, 32 recent kept
 
     mean_position = {h: mean_evictable_position(c) for h, c in caches.items()}
     assert mean_position["inf"] < mean_position["0"] - 2, "further ahead, older entries are kept"
