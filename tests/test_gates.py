@@ -245,14 +245,7 @@ def test_a_horizon_ahead_keeps_slowly_decaying_entries_over_recent_ones(tmp_path
     assert mean_position["inf"] < mean_position["0"] - 2, "further ahead, older entries are kept"
     policy = kvsieve.make_policy(f"trimkv+global:gates={tmp_path},horizon=inf")
     assert policy.name == f"trimkv+global:gates={tmp_path},horizon=inf"
-    prefill = kvsieve.observe_prefill(model, ids, policy.needs)
-    evictable = [policy.scorer.score(obs)[:, 1:-32] for obs in prefill.observations[0]]  # a sink, 32 recent
-    stored = caches["inf"].stored_lengths()
-    kept = sum(n - 33 for layer in stored for n in layer)
-    threshold = torch.cat([s.flatten() for s in evictable]).topk(kept).values.min()
-    for layer, scores in enumerate(evictable):
-        for head, head_scores in enumerate(scores):
-            assert stored[layer][head] - 33 == int((head_scores >= threshold).sum())
+    _assert_pooled_top_k(model, ids, policy, caches["inf"], n_sink=1, n_recent=32)
     for bad in ("-1", "nan"):
         with pytest.raises(PolicyError, match="horizon must be a number of tokens >= 0 or inf"):
             kvsieve.make_policy(f"trimkv:horizon={bad}")
@@ -273,12 +266,22 @@ def test_trimkv_global_meets_one_budget_exactly_across_layers_and_heads(tmp_path
     assert kept == 6 * (evictable - round(0.75 * evictable))
     assert len({n for layer in cache.stored_lengths() for n in layer}) > 1, "heads and layers keep different counts"
     # raw scores decide: the kept evictable entries are the best of the pooled scores
+    _assert_pooled_top_k(model, ids, policy, cache, n_sink=1, n_recent=4)
+
+
+def _assert_pooled_top_k(model, ids: torch.Tensor, policy, cache, n_sink: int, n_recent: int) -> None:
+    """Every (layer, kv-head) of `cache` keeps exactly its evictable entries among the best of `policy`'s scores
+    pooled over all of them (one global top-k)."""
     prefill = kvsieve.observe_prefill(model, ids, policy.needs)
-    scores = [policy.scorer.score(obs)[:, 1:96] for obs in prefill.observations[0]]
+    end = ids.shape[1] - n_recent
+    scores = [policy.scorer.score(obs)[:, n_sink:end] for obs in prefill.observations[0]]
+    protected = n_sink + n_recent
+    stored = cache.stored_lengths()
+    kept = sum(n - protected for layer in stored for n in layer)
     threshold = torch.cat([s.flatten() for s in scores]).topk(kept).values.min()
     for layer, layer_scores in enumerate(scores):
         for head, head_scores in enumerate(layer_scores):
-            assert cache.stored_lengths()[layer][head] - 5 == int((head_scores >= threshold).sum())
+            assert stored[layer][head] - protected == int((head_scores >= threshold).sum())
 
 
 @torch.no_grad()
