@@ -18,7 +18,8 @@ Results are kept per policy in benchmarks/results/gate_ablation.json (Gemma-3-27
 gate_ablation_gemma3_270m.json; another `--docs`, `--samples` or `--length` adds it to the name, e.g.
 gate_ablation_samples30.json, and so does a `--device` other than the CPU: gate_ablation_cuda.json), so a rerun
 evaluates only what is missing (`--variants` picks the variants; `--fresh` starts over). `--policies` judges
-specs as given beside them, e.g. the shipped gates under another scorer parameter (`trimkv+global:horizon=inf`).
+specs as given beside them (default: the model's rivals), e.g. the shipped gates under another scorer parameter
+(`trimkv+global:horizon=inf`) or a variant's gates by path (the gates home is left out of the label).
 
     python benchmarks/gate_ablation.py [--variants "capacity 128,mix10"] [--docs 24] [--samples 15] [--length 1536]
                                        [--model gemma3-270m] [--device cuda] [--policies "SPEC;SPEC"]
@@ -254,7 +255,7 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(NAMES), help="comma-separated, of: " + ", ".join(NAMES))
     for name, value in SETTING_DEFAULTS.items():
         parser.add_argument(f"--{name}", type=int, default=value)
-    parser.add_argument("--policies", default="", help="semicolon-separated specs judged as given (scorer parameters)")
+    parser.add_argument("--policies", help="semicolon-separated specs judged as given (default: the model's rivals)")
     parser.add_argument("--model", default=DEFAULT_MODEL, choices=list(RECIPES))
     parser.add_argument("--gates-home", type=Path, help="where variants train (default: the cache's gates/ablation)")
     parser.add_argument("--fresh", action="store_true", help="forget the results already in the JSON")
@@ -280,7 +281,8 @@ def main() -> None:
         report = setting | {"policies": {}}
     model, tokenizer = ModelChoice(None if default else args.model, device).load()
     todo = {f"trimkv+global ({name})": name for name in variants}
-    todo |= {rival: rival for rival in [*RIVALS[args.model], *filter(None, args.policies.split(";"))]}
+    policies = RIVALS[args.model] if args.policies is None else filter(None, args.policies.split(";"))
+    todo |= {spec.replace(f"{home}/", ""): spec for spec in policies}
     for label, name in todo.items():
         if label in report["policies"]:
             continue
