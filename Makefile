@@ -97,14 +97,14 @@ gemma: setup
 	$(PY) -m pytest -q -m gemma
 
 # Train the default model's retention gates into the package folder (deterministic; about 18 min on 2 CPU cores).
-# Capacity 32 (issue 39's ablation, docs/benchmarks.md); the gates shipped before them, capacity 128 from kvsieve
-# 0.1's trainer, ship as `smollm2-135m-capacity128`.
+# Capacity 32, read 128 tokens ahead (issue 39's ablation, docs/benchmarks.md); the gates shipped before them,
+# capacity 128 from kvsieve 0.1's trainer, ship as `smollm2-135m-capacity128`.
 gates: setup
-	$(VENV)/bin/kvsieve train-gates --model default --capacity 32 --out src/kvsieve/selection/checkpoints/smollm2-135m
+	$(VENV)/bin/kvsieve train-gates --model default --capacity 32 --horizon 128 --out src/kvsieve/selection/checkpoints/smollm2-135m
 
-# Retrain the shipped Gemma-3-270M gates (about 30 min on 2 CPU cores; needs `make gemma`).
+# Retrain the shipped Gemma-3-270M gates, read 128 tokens ahead (about 30 min on 2 CPU cores; needs `make gemma`).
 gates-gemma: setup
-	$(VENV)/bin/kvsieve train-gates --model gemma3-270m --steps 240 --out src/kvsieve/selection/checkpoints/gemma3-270m
+	$(VENV)/bin/kvsieve train-gates --model gemma3-270m --steps 240 --horizon 128 --out src/kvsieve/selection/checkpoints/gemma3-270m
 
 bench: setup
 	$(PY) benchmarks/ppl_importance_vs_random.py

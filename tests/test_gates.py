@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 
 import pytest
 import torch
@@ -252,6 +254,35 @@ def test_a_horizon_ahead_keeps_slowly_decaying_entries_over_recent_ones(tmp_path
 
 
 @torch.no_grad()
+def test_a_checkpoint_records_the_horizon_trimkv_reads_it_at(tmp_path):
+    """`horizon=default` reads the gates at the horizon their checkpoint records (config.json; `inf` as text, JSON
+    has no infinity); a horizon in the spec overrides it; a checkpoint's bad horizon is a clear error."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(4))
+    for recorded in (100.0, math.inf):
+        gates = _gates(model)
+        gates.horizon = recorded
+        _checkpoint(tmp_path / str(recorded), model, gates)
+    score = {}
+    for folder, spec in [("100.0", ""), ("100.0", ",horizon=0"), ("inf", ""), ("inf", ",horizon=100")]:
+        policy = kvsieve.make_policy(f"trimkv:gates={tmp_path / folder}{spec}")
+        prefill = kvsieve.observe_prefill(model, ids, policy.needs)
+        score[folder, spec] = torch.stack([policy.scorer.score(obs) for obs in prefill.observations[0]])
+    log_beta = score["inf", ""]  # the same weights, recorded at inf: `log beta` alone
+    distance = torch.arange(60, 0, -1)
+    torch.testing.assert_close(score["100.0", ""], (distance + 100) * log_beta, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(score["100.0", ",horizon=0"], distance * log_beta, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(score["inf", ",horizon=100"], score["100.0", ""], atol=1e-5, rtol=1e-5)
+    config = json.loads((tmp_path / "inf" / checkpoint.CONFIG_FILE).read_text())
+    assert config["horizon"] == "inf" and read_gates(tmp_path / "inf")[0].horizon == math.inf
+    assert kvsieve.make_policy("trimkv+global").name == "trimkv+global", "the default horizon is not spelled out"
+    config["horizon"] = -5
+    (tmp_path / "inf" / checkpoint.CONFIG_FILE).write_text(json.dumps(config))
+    with pytest.raises(GateCheckpointError, match="horizon must be a number of tokens >= 0 or inf, got -5"):
+        read_gates(tmp_path / "inf")
+
+
+@torch.no_grad()
 def test_trimkv_global_meets_one_budget_exactly_across_layers_and_heads(tmp_path):
     model = tiny_llama()
     gates = _gates(model)
@@ -306,9 +337,11 @@ def test_train_gates_command_writes_a_checkpoint_the_scorer_loads(model_dir, tmp
 
     out = tmp_path / "gates"
     args = ["train-gates", "--model", str(model_dir), "--out", str(out), "--steps", "2", "--seq-len", "256"]
-    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--capacity", "16", "--per-task", "0"])
+    trained_args = [*args, "--capacity", "16", "--per-task", "0", "--horizon", "inf"]
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, trained_args)
     assert result.exit_code == 0, result.output
-    _, record = read_gates(out)
+    gates, record = read_gates(out)
+    assert gates.horizon == math.inf, "--horizon is kept in the checkpoint"
     assert record.steps == 2 and record.capacity == 16 and record.model_name == str(model_dir)
     assert set(record.data["heldout_essays"]).isdisjoint(record.data["train_essays"])
     assert record.data["task_seed"] > 1000, "training tasks never share a seed with evaluation"
@@ -323,6 +356,8 @@ def test_train_gates_command_writes_a_checkpoint_the_scorer_loads(model_dir, tmp
     assert bad.exit_code == 2 and "scope must be one of" in bad.output
     short = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--capacity", "16", "--per-task", "1"])
     assert short.exit_code == 2 and "too small" in short.output, "task prompts that do not fit: a clean error"
+    behind = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--horizon", "-3"])
+    assert behind.exit_code == 2 and "horizon must be a number of tokens >= 0" in behind.output
 
 
 def test_decay_bias_in_the_fused_kernel_equals_the_explicit_bias():

@@ -14,6 +14,7 @@ import torch
 import typer
 from rich.table import Table
 
+from ..modeling.gates import checked_horizon
 from ..runtime.api.compress import compress
 from ..runtime.attention.sieve import sieve_attention
 from ..runtime.compat import cache_argument
@@ -21,6 +22,7 @@ from ..runtime.eviction.growth import DEFAULT_BUFFER
 from ..runtime.observing.prefill import observe_prefill
 from ..selection.allocators import ALLOCATORS
 from ..selection.budget import check_count, check_rate
+from ..selection.checkpoint import save_gates
 from ..selection.projection import PROJECTIONS
 from ..selection.protection import PROTECTION_DEFAULTS
 from ..selection.scorers import SCORERS
@@ -729,11 +731,15 @@ def train_gates_command(
         str | None,
         typer.Option(help="sequence lengths in equal shares of the steps, e.g. 1024,4096 (--seq-len then unused)"),
     ] = None,
+    horizon: Annotated[
+        float, typer.Option(help="the horizon trimkv reads the gates at by default (kept in config.json; inf ok)")
+    ] = 0.0,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
     budget: Annotated[int | None, typer.Option(hidden=True, help="deprecated: --capacity")] = None,
 ) -> None:
     """Train retention gates (TrimKV / DBTrimKV) for a model on this machine; the model itself is not changed."""
+    _parsed("--horizon", lambda: checked_horizon(horizon))
     entries, where = _capacity_and_scope(capacity, scope, budget)
     settings = {"capacity": entries, "scope": where, "steps": steps, "seq_len": seq_len, "lam": lam, "ntp": ntp}
     settings |= {"lr": lr, "width": width, "per_task": per_task, "kl_tokens": kl_tokens, "seed": seed}
@@ -750,6 +756,8 @@ def train_gates_command(
         lengths = config.lengths
         corpus = _parsed("--data", lambda: [corpus_training_data(tokenizer, data, n, config.seed) for n in lengths])
     gates, record = train_gates(lm, tokenizer, config, out, name, data=corpus)
+    gates.horizon = horizon
+    save_gates(gates, record, out)
     console.print(f"trained {len(gates.shape.layers)} layers of gates in {record.seconds:.0f} s; wrote {out}")
 
 

@@ -6,7 +6,8 @@ for every layer and head (DBTrimKV's shared final projection), turns that into `
 (-inf, 0] through a log-sigmoid. At time `t` the
 entry written at position `i` scores `(t - i) * log beta`: it decays at its own rate, and because
 every layer and head ends in the same projection, the scores of all of them sit on one axis and one
-global top-k can compare them.
+global top-k can compare them. A checkpoint also records its `horizon`: how many tokens after the last
+one a scorer compares the retentions by default, `(t + horizon - i) * log beta` (0: TrimKV's next step).
 
 TRIM-KV's gate reads the layer's normalised hidden state when the entry is written, and its cache
 stores `beta`. Ours reads the entry itself (`W_k x` with RoPE undone, and `W_v x`, for that head),
@@ -16,6 +17,7 @@ no model layer has to be hooked to see its hidden state.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -69,12 +71,27 @@ def gate_shape(model: PreTrainedModel, width: int = DEFAULT_WIDTH) -> GateShape:
     return GateShape(full, *kv_geometry(model), width)
 
 
-class RetentionGates(nn.Module):
-    """`log beta` of each entry of each gated layer: per-(layer, head) hidden layers, one shared scoring projection."""
+def checked_horizon(horizon: float | str) -> float:
+    """A scoring horizon as a number of tokens (>= 0, or ``inf``), or a ValueError that says what it must be."""
+    try:
+        value = float(horizon)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not value >= 0:  # NaN too
+        raise ValueError(f"horizon must be a number of tokens >= 0 or inf, got {horizon!r}")
+    return value
 
-    def __init__(self, shape: GateShape, bias_init: float = DEFAULT_BIAS_INIT) -> None:
+
+class RetentionGates(nn.Module):
+    """`log beta` of each entry of each gated layer: per-(layer, head) hidden layers, one shared scoring projection.
+
+    `horizon` is the one a scorer reads these gates at unless told otherwise (kept in the checkpoint).
+    """
+
+    def __init__(self, shape: GateShape, bias_init: float = DEFAULT_BIAS_INIT, horizon: float = 0.0) -> None:
         super().__init__()
         self.shape = shape
+        self.horizon = checked_horizon(horizon)
         features = 2 * shape.head_dim + 2
         self.hidden_weight = nn.ParameterDict(
             {str(layer): nn.Parameter(torch.empty(shape.kv_heads, features, shape.width)) for layer in shape.layers}

@@ -1,15 +1,17 @@
 """Retention-gate checkpoints: `gates.safetensors` plus `config.json`, tied to one model by a hash of its weights.
 
-`config.json` records the gates' shape, the model (name and weights hash) and how they were
-trained (`TrainRecord`). Loading checks both: gates for another model, or for other dimensions,
-are a clear error. Checkpoints shipped with kvsieve live in `kvsieve/selection/checkpoints/<name>/`
-and load by that name; ``"default"`` picks the one trained for the model at hand that is named after
-the model (a checkpoint it replaced keeps shipping under another name, for comparison).
+`config.json` records the gates' shape, the horizon a scorer reads them at by default, the model
+(name and weights hash) and how they were trained (`TrainRecord`). Loading checks the shape and the
+model: gates for another model, or for other dimensions, are a clear error. Checkpoints shipped with
+kvsieve live in `kvsieve/selection/checkpoints/<name>/` and load by that name; ``"default"`` picks the
+one trained for the model at hand that is named after the model (a checkpoint it replaced keeps
+shipping under another name, for comparison).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -62,7 +64,8 @@ def save_gates(gates: RetentionGates, record: TrainRecord, out: str | Path) -> P
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous() for k, v in gates.state_dict().items()}, str(out / WEIGHTS_FILE))
-    config = {"shape": gates.shape.to_dict(), "train": asdict(record)}
+    horizon = gates.horizon if math.isfinite(gates.horizon) else "inf"  # JSON has no infinity
+    config = {"shape": gates.shape.to_dict(), "horizon": horizon, "train": asdict(record)}
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out
 
@@ -80,7 +83,10 @@ def read_gates(folder: str | Path) -> tuple[RetentionGates, TrainRecord]:
             f"{folder} is not a retention-gate checkpoint (needs {WEIGHTS_FILE} and {CONFIG_FILE}){hint}"
         )
     config = json.loads((folder / CONFIG_FILE).read_text())
-    gates = RetentionGates(GateShape.from_dict(config["shape"]))
+    try:
+        gates = RetentionGates(GateShape.from_dict(config["shape"]), horizon=config.get("horizon", 0.0))
+    except ValueError as err:
+        raise GateCheckpointError(f"{folder / CONFIG_FILE}: {err}") from None
     try:
         gates.load_state_dict(load_file(str(folder / WEIGHTS_FILE)))
     except RuntimeError as err:

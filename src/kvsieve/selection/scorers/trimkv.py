@@ -8,15 +8,18 @@ from typing import ClassVar
 
 import torch
 
-from ...modeling.gates import RetentionGates, retention_scores
+from ...modeling.gates import RetentionGates, checked_horizon, retention_scores
 from ...modeling.rotary import unrotate
 from ..checkpoint import DEFAULT_GATES
 from ..observation import Needs, Observation
 
+#: `horizon=default`: the horizon recorded in the gates' checkpoint (0, the next step, where it records none).
+DEFAULT_HORIZON = "default"
+
 
 @dataclass(frozen=True)
 class TrimKVScorer:
-    """Each entry's retention at the next step, from learned retention gates (`kvsieve train-gates`).
+    """Each entry's retention `horizon` tokens ahead, from learned retention gates (`kvsieve train-gates`).
 
     `gates` is a checkpoint folder, or ``"default"`` for the one kvsieve ships for the model. The
     gates read each entry's key (RoPE undone) and value; every layer and head shares one scoring
@@ -24,17 +27,22 @@ class TrimKVScorer:
 
     `horizon` is how many tokens after the last one the retentions `beta^(t - i)` are compared: 0 is
     TrimKV's own next step, which favours recent entries; further ahead, an entry that decays slowly
-    outranks a recent one that decays fast, and ``inf`` ranks by `log beta` alone.
+    outranks a recent one that decays fast, and ``inf`` ranks by `log beta` alone. ``"default"`` takes
+    the horizon the gates' checkpoint records (each shipped one: the horizon its ablation chose).
     """
 
     name: ClassVar[str] = "trimkv"
     calibrated: ClassVar[bool] = True
     gates: str = DEFAULT_GATES
-    horizon: float = 0.0
+    horizon: float | str = DEFAULT_HORIZON
 
     def __post_init__(self) -> None:
-        if not self.horizon >= 0:  # NaN too
-            raise ValueError(f"horizon must be a number of tokens >= 0 or inf, got {self.horizon}")
+        if self.horizon == DEFAULT_HORIZON:
+            return
+        try:
+            object.__setattr__(self, "horizon", checked_horizon(self.horizon))
+        except ValueError as err:
+            raise ValueError(f"{err} (or default: the horizon the checkpoint records)") from None
 
     @property
     def needs(self) -> Needs:
@@ -45,10 +53,11 @@ class TrimKVScorer:
         if obs.rotary is None or gates is None:
             raise ValueError(f"trimkv needs the rotary embedding and the gates {self.gates!r} (Needs.rotary, .gates)")
         log_beta = entry_log_beta(gates, obs)
-        if math.isinf(self.horizon):
+        horizon = gates.horizon if self.horizon == DEFAULT_HORIZON else self.horizon
+        if math.isinf(horizon):
             return log_beta
         now = obs.seen if obs.seen is not None else int(obs.positions.max()) + 1
-        return retention_scores(log_beta, obs.positions, now + self.horizon)
+        return retention_scores(log_beta, obs.positions, now + horizon)
 
 
 def entry_log_beta(gates: RetentionGates, obs: Observation) -> torch.Tensor:
