@@ -78,6 +78,9 @@ VARIANTS: dict[str, dict | None] = {
     "capacity 16": {"capacity": 16},
     "capacity 32 per-task 9": {"capacity": 32, "per_task": 9},
     "capacity 32 steps 320": {"capacity": 32, "steps": 320},
+    "capacity 32 varied": {"capacity": 32, "tasks": "ruler,routing,varied"},
+    "capacity 32 varied seed 1": {"capacity": 32, "tasks": "ruler,routing,varied", "seed": 1},
+    "capacity 32 varied seed 2": {"capacity": 32, "tasks": "ruler,routing,varied", "seed": 2},
 }
 #: Gate soups: the equal-weight parameter average of variants' gates (`kvsieve average-gates`), each variant trained
 #: (or resumed) first; "capacity 128" is the base recipe's shipped checkpoint.
@@ -137,7 +140,8 @@ def _trained_elsewhere(folder: Path, config: TrainConfig) -> TrainRecord | None:
     if (folder / STATE_FILE).is_file() or not (folder / CONFIG_FILE).is_file():
         return None
     _, record = read_gates(folder)
-    return record if record.data.get("config") == json.loads(json.dumps(dataclasses.asdict(config))) else None
+    made_with = dataclasses.asdict(TrainConfig()) | record.data.get("config", {})  # a setting added since: default
+    return record if json.loads(json.dumps(made_with)) == json.loads(json.dumps(dataclasses.asdict(config))) else None
 
 
 def evaluate(model, tokenizer, policy: str, args: argparse.Namespace) -> tuple[dict, dict]:

@@ -43,7 +43,7 @@ GROUPS = {
 def train(model, tokenizer, out: Path) -> dict:
     """Gates taught by KVzip, trained (or resumed) in `out`; what the training recorded."""
     config = TrainConfig(target="kvzip")
-    data = training_data(tokenizer, config.seq_len, config.per_task, config.seed)
+    data = training_data(tokenizer, config.seq_len, config.per_task, config.seed, config.tasks)
     _, record = train_gates(model, tokenizer, config, out, DEFAULT_MODEL, data=data)
     return {
         "seconds": record.seconds,

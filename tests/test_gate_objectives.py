@@ -247,7 +247,7 @@ def test_what_the_model_cannot_do_is_refused_before_training(tmp_path):
 def test_the_command_line_takes_the_mix_and_the_curriculum_and_names_bad_values(model_dir, tmp_path):
     out = tmp_path / "gates"
     args = ["train-gates", "--model", str(model_dir), "--out", str(out), "--steps", "2", "--capacity", str(CAPACITY)]
-    args += ["--per-task", "0"]
+    args += ["--per-task", "0", "--tasks", "ruler,varied"]
     runner = CliRunner(env={"COLUMNS": "200"})
     mix = ["--kvzip-weight", "0.25", "--kvzip-entries", "indifferent", "--answer-weight", "2"]
     result = runner.invoke(app, [*args, *mix, "--curriculum", f"{SEQ},{2 * SEQ}"])
@@ -255,6 +255,7 @@ def test_the_command_line_takes_the_mix_and_the_curriculum_and_names_bad_values(
     _, record = read_gates(out)
     assert record.data["config"]["kvzip_weight"] == 0.25 and record.data["config"]["curriculum"] == [SEQ, 2 * SEQ]
     assert record.data["config"]["answer_weight"] == 2.0 and record.data["config"]["kvzip_entries"] == "indifferent"
+    assert record.data["config"]["tasks"] == "ruler,varied"
     for extra, message in [
         (["--kvzip-weight", "2"], "kvzip_weight must be in [0, 1]"),
         (["--answer-weight", "-1"], "answer_weight must be >= 0"),
@@ -262,6 +263,7 @@ def test_the_command_line_takes_the_mix_and_the_curriculum_and_names_bad_values(
         (["--curriculum", "96,many"], "is not a comma-separated list of sequence lengths"),
         (["--curriculum", "96,100000"], "is longer than the model's context"),
         (["--kvzip-weight", "0.1", "--capacity", "20"], "capacity 20 leaves KVzip nothing to decide"),
+        (["--tasks", "ruler,unseen"], "are held out of every training set"),
     ]:
         bad = runner.invoke(app, [*args, "--out", str(tmp_path / "bad"), *extra])
         assert bad.exit_code == 2 and message in bad.output, bad.output

@@ -445,7 +445,9 @@ def write_eviction_map(
 
 @app.command()
 def sweep(
-    tasks: Annotated[str, typer.Option(help="tasks or suites (ruler, routing, unseen), comma-separated")] = "ruler",
+    tasks: Annotated[
+        str, typer.Option(help="tasks or suites (ruler, routing, unseen, varied), comma-separated")
+    ] = "ruler",
     policies: Annotated[
         str, typer.Option(help="kvsieve specs and kvpress:<press> names; the full cache is always run")
     ] = "snapkv,expected,importance,random",
@@ -526,7 +528,7 @@ def _default_scalars(model: torch.nn.Module, tokenizer: Any, cell: None) -> list
 @app.command()
 def diagnose(
     tasks: Annotated[
-        str, typer.Option(help="tasks or suites (ruler, routing, unseen), comma-separated")
+        str, typer.Option(help="tasks or suites (ruler, routing, unseen, varied), comma-separated")
     ] = DIAGNOSTIC_TASKS,
     scalars: Annotated[
         str | None, typer.Option(help="ranking scalars swapped into the contract (default: all; trimkv with gates)")
@@ -704,6 +706,9 @@ def train_gates_command(
     lr: Annotated[float, typer.Option(min=0.0)] = TrainConfig.lr,
     width: Annotated[int, typer.Option(min=1, help="hidden units per (layer, kv-head)")] = TrainConfig.width,
     per_task: Annotated[int, typer.Option(min=0, help="training samples per task")] = TrainConfig.per_task,
+    tasks: Annotated[
+        str, typer.Option(help="tasks or suites the samples come from (ruler, routing, varied; never unseen)")
+    ] = TrainConfig.tasks,
     seed: Annotated[int, typer.Option()] = TrainConfig.seed,
     kl_tokens: Annotated[int, typer.Option(min=0, help="positions the loss reads per sequence (0: all)")] = (
         TrainConfig.kl_tokens
@@ -744,7 +749,7 @@ def train_gates_command(
     settings = {"capacity": entries, "scope": where, "steps": steps, "seq_len": seq_len, "lam": lam, "ntp": ntp}
     settings |= {"lr": lr, "width": width, "per_task": per_task, "kl_tokens": kl_tokens, "seed": seed}
     settings |= {"teacher_dtype": teacher_dtype, "target": target, "kvzip_weight": kvzip_weight}
-    settings |= {"kvzip_entries": kvzip_entries, "answer_weight": answer_weight}
+    settings |= {"kvzip_entries": kvzip_entries, "answer_weight": answer_weight, "tasks": tasks}
     settings |= {"curriculum": _parsed("--curriculum", lambda: _lengths(curriculum))}
     config = _parsed("train-gates", lambda: TrainConfig(**settings))
     name = DEFAULT_MODEL if model == "default" else model

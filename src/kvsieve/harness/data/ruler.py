@@ -102,6 +102,54 @@ LOCKER_FORMAT = NeedleFormat(
     "Locker {query} opens with the code",
 )
 
+#: Needle formats for training alone (`VARIED_TASKS`, the ``varied`` suite): a fact written six ways, so that gates
+#: learn to keep a fact rather than RULER's sentence. None shares a word of four letters or more with the unseen
+#: formats' needles, nor their preambles' wording.
+VARIED_FORMATS: tuple[NeedleFormat, ...] = (
+    NeedleFormat(
+        "flight",
+        "Flight {key} leaves from gate {value}.",
+        "A departure gate is mentioned in the following text. Note it; a question about it follows.\n",
+        "From which gate does flight {query} leave?",
+        "Flight {query} leaves from gate",
+    ),
+    NeedleFormat(
+        "recipe",
+        "The recipe for {key} bread needs {value} grams of flour.",
+        "A recipe is quoted in the following text. Read it carefully; you will be asked about it.\n",
+        "How many grams of flour does the recipe for {query} bread need?",
+        "The recipe for {query} bread needs",
+    ),
+    NeedleFormat(
+        "extension",
+        "You can reach {key} at extension {value}.",
+        "A telephone extension is given in the following text. Track it; a question about it follows.\n",
+        "At which extension can you reach {query}?",
+        "You can reach {query} at extension",
+    ),
+    NeedleFormat(
+        "census",
+        "In the census, the village of {key} counted {value} residents.",
+        "A census figure is reported in the following text. Mind it; it will be asked about.\n",
+        "How many residents did the village of {query} count in the census?",
+        "The village of {query} counted",
+    ),
+    NeedleFormat(
+        "badge",
+        "Employee {key} wears badge number {value}.",
+        "A badge number appears in the following text. Retain it for the question at the end.\n",
+        "What badge number does employee {query} wear?",
+        "Employee {query} wears badge number",
+    ),
+    NeedleFormat(
+        "clinic",
+        "Doctor {key} sees patients in room {value}.",
+        "A room number is stated in the following text. Note it down; it will be asked about.\n",
+        "In which room does Doctor {query} see patients?",
+        "Doctor {query} sees patients in room",
+    ),
+)
+
 
 @dataclass(frozen=True)
 class NiahConfig:
@@ -137,6 +185,18 @@ NIAH_CONFIGS: dict[str, NiahConfig] = {
 }
 #: Needle tasks in formats no training set of the gates uses (the ``unseen`` suite; never in ``ruler``).
 UNSEEN_TASKS: tuple[str, ...] = ("niah_ledger", "niah_locker")
+#: The varied formats' tasks (the ``varied`` suite), for training: their haystacks, key kinds and needle counts vary.
+VARIED_CONFIGS: dict[str, NiahConfig] = {
+    f"niah_{fmt.name}": NiahConfig(haystack, keys, "numbers", n_keys=n_keys, format=fmt)
+    for fmt, (haystack, keys, n_keys) in zip(
+        VARIED_FORMATS,
+        [("essay", "words", 4), ("essay", "words", 4), ("noise", "words", 4), ("essay", "words", 1),
+         ("noise", "numbers", 4), ("essay", "numbers", 1)],
+        strict=True,
+    )
+}  # fmt: skip
+NIAH_CONFIGS |= VARIED_CONFIGS
+VARIED_TASKS: tuple[str, ...] = tuple(VARIED_CONFIGS)
 #: RULER's needle depths for the essay haystack: 40 percentages spread evenly over [0, 100].
 ESSAY_DEPTHS: tuple[int, ...] = tuple(round(100 * i / 39) for i in range(40))
 
@@ -253,7 +313,7 @@ def _sample(task: str, index: int, context: str, spans: list[tuple[str, int, int
     meta["evidence_depths"] = [round(start / len(context), 4) for _, start, _ in spans]
     return TaskSample(
         task=task,
-        suite="unseen" if task in UNSEEN_TASKS else "ruler",
+        suite="unseen" if task in UNSEEN_TASKS else "varied" if task in VARIED_TASKS else "ruler",
         index=index,
         context=context,
         evidence=tuple((start, end) for _, start, end in spans),
@@ -537,7 +597,7 @@ def ruler_samples(
     depths from its own generator, so samples differ across indices and seeds. See `encode` for `chat`.
     """
     if task not in _BUILDERS:
-        raise ValueError(f"unknown RULER task {task!r}; choose one of {RULER_TASKS + UNSEEN_TASKS}")
+        raise ValueError(f"unknown RULER task {task!r}; choose one of {RULER_TASKS + UNSEEN_TASKS + VARIED_TASKS}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     samples: list[TaskSample] = []

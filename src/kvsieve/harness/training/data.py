@@ -19,12 +19,26 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..data import encode, essay_split, essay_texts, task_samples
+from ..data.suites import SUITES, resolve_tasks
 from .corpus import CorpusError, QARecord, read_corpus
 
 #: Seed of the task samples gates are trained on; evaluations use small seeds (0 by default).
 TRAINING_TASK_SEED = 1_000_003
-#: The task suites training samples come from.
+#: The task suites training samples come from by default (`TrainConfig.tasks`; ``varied`` adds needles written
+#: six more ways). The ``unseen`` suite is never trained on.
 TRAINING_TASKS = "ruler,routing"
+
+
+def training_tasks(names: str) -> list[str]:
+    """The tasks `names` (tasks or suites) expand to; ValueError if one is unknown or held out of training."""
+    tasks = resolve_tasks(names)
+    held_out = [task for task in tasks if task in SUITES["unseen"]]
+    if held_out:
+        raise ValueError(
+            f"tasks {held_out} are held out of every training set (the unseen suite tells what gates learned "
+            f"beyond their training formats); train on {', '.join(s for s in SUITES if s != 'unseen')}"
+        )
+    return tasks
 
 
 @dataclass(frozen=True)
@@ -61,10 +75,13 @@ def document_windows(tokenizer: PreTrainedTokenizerBase, texts: list[str], seq_l
     return windows
 
 
-def task_sequences(tokenizer: PreTrainedTokenizerBase, seq_len: int, per_task: int) -> list[tuple[torch.Tensor, int]]:
-    """Context, question and gold answer of `per_task` training samples of every task, cut to `seq_len` tokens, each
-    with its answer's length in tokens."""
-    samples = task_samples(TRAINING_TASKS, tokenizer, length=seq_len - 64, n=per_task, seed=TRAINING_TASK_SEED)
+def task_sequences(
+    tokenizer: PreTrainedTokenizerBase, seq_len: int, per_task: int, tasks: str = TRAINING_TASKS
+) -> list[tuple[torch.Tensor, int]]:
+    """Context, question and gold answer of `per_task` training samples of every task in `tasks`, cut to `seq_len`
+    tokens, each with its answer's length in tokens."""
+    names = training_tasks(tasks)
+    samples = task_samples(names, tokenizer, length=seq_len - 64, n=per_task, seed=TRAINING_TASK_SEED)
     sequences = []
     for sample in samples:
         encoded = encode(sample, tokenizer)
@@ -79,15 +96,17 @@ def _shuffled(pairs: list[tuple[torch.Tensor, int]], seed: int) -> tuple[list[to
     return [ids for ids, _ in pairs], [answer for _, answer in pairs]
 
 
-def training_data(tokenizer: PreTrainedTokenizerBase, seq_len: int, per_task: int, seed: int) -> TrainingData:
-    """The training essays' windows and `per_task` samples of every task, shuffled by `seed`."""
+def training_data(
+    tokenizer: PreTrainedTokenizerBase, seq_len: int, per_task: int, seed: int, tasks: str = TRAINING_TASKS
+) -> TrainingData:
+    """The training essays' windows and `per_task` samples of every task in `tasks`, shuffled by `seed`."""
     train, heldout = essay_split()
     windows = [(ids, 0) for ids in essay_windows(tokenizer, train, seq_len)]
-    sequences, answers = _shuffled(windows + task_sequences(tokenizer, seq_len, per_task), seed)
+    sequences, answers = _shuffled(windows + task_sequences(tokenizer, seq_len, per_task, tasks), seed)
     split = {
         "train_essays": train,
         "heldout_essays": heldout,
-        "tasks": TRAINING_TASKS,
+        "tasks": tasks,
         "task_seed": TRAINING_TASK_SEED,
         "task_samples_per_task": per_task,
         "sequences": len(sequences),

@@ -28,7 +28,7 @@ from ...modeling.gates import DEFAULT_BIAS_INIT, DEFAULT_WIDTH, RetentionGates, 
 from ...modeling.rotary import find_rotary
 from ...selection.checkpoint import TrainRecord, save_gates
 from ..progress import progress_bar
-from .data import TrainingData, training_data
+from .data import TRAINING_TASKS, TrainingData, training_data, training_tasks
 from .kvzip_target import KEEP_ENTRIES, check_capacity, kvzip_step
 from .losses import SCOPES, capacity_loss, forward_kl, next_token_loss
 from .retention import RetentionTape, soft_retention
@@ -55,6 +55,7 @@ class TrainConfig:
         width: hidden units per (layer, kv-head).
         bias_init: initial bias of the shared scoring projection.
         per_task: training samples of every task.
+        tasks: the tasks or suites (`kvsieve.harness.data.SUITES`) those samples come from; never ``unseen``.
         kl_tokens: positions of each sequence the loss terms read, drawn uniformly at every step (0: all).
             The mean KL over them is an unbiased estimate of the mean over all positions; the teacher's and
             the student's output heads run on them alone (the vocabulary projection is 21% of the default
@@ -89,6 +90,7 @@ class TrainConfig:
     width: int = DEFAULT_WIDTH
     bias_init: float = DEFAULT_BIAS_INIT
     per_task: int = 3
+    tasks: str = TRAINING_TASKS
     kl_tokens: int = 256
     teacher_dtype: str | None = None
     seed: int = 0
@@ -106,6 +108,7 @@ class TrainConfig:
             raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
         if self.teacher_dtype not in TEACHER_DTYPES:
             raise ValueError(f"teacher_dtype must be one of {TEACHER_DTYPES}, got {self.teacher_dtype!r}")
+        training_tasks(self.tasks)
         if self.kl_tokens < 0:
             raise ValueError(f"kl_tokens must be >= 0, got {self.kl_tokens}")
         for name in ("capacity", "steps", "seq_len", "width", "save_every"):
@@ -259,7 +262,9 @@ def phase_data(
 ) -> list[TrainingData]:
     """The training sequences of each curriculum phase: `data` as given, or the bundled data at each length."""
     if data is None:
-        return [training_data(tokenizer, length, config.per_task, config.seed) for length in config.lengths]
+        return [
+            training_data(tokenizer, length, config.per_task, config.seed, config.tasks) for length in config.lengths
+        ]
     phases = [data] if isinstance(data, TrainingData) else list(data)
     if len(phases) != len(config.lengths):
         raise ValueError(
