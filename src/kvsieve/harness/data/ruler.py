@@ -1,5 +1,6 @@
-"""The eleven RULER tasks that need no downloaded data (arXiv 2404.06654), generated offline and seeded, and
-two needle tasks in formats of our own (`UNSEEN_TASKS`), which no training set of the gates uses.
+"""The eleven RULER tasks that need no downloaded data (arXiv 2404.06654), generated offline and seeded, two
+needle tasks in formats of our own (`UNSEEN_TASKS`), which no training set of the gates uses, and six more
+(`VARIED_TASKS`) for training alone.
 
 Configurations follow RULER's ``scripts/synthetic.yaml`` and its generators: needle-in-a-haystack
 variants (``niah_*``), variable tracking (``vt``: one chain of four hops, with a one-shot example),
@@ -104,7 +105,7 @@ LOCKER_FORMAT = NeedleFormat(
 
 #: Needle formats for training alone (`VARIED_TASKS`, the ``varied`` suite): a fact written six ways, so that gates
 #: learn to keep a fact rather than RULER's sentence. None shares a word of four letters or more with the unseen
-#: formats' needles, nor their preambles' wording.
+#: formats' needles.
 VARIED_FORMATS: tuple[NeedleFormat, ...] = (
     NeedleFormat(
         "flight",
