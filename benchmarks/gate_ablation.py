@@ -28,7 +28,6 @@ specs as given beside them (default: the model's rivals), e.g. the shipped gates
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
@@ -140,8 +139,7 @@ def _trained_elsewhere(folder: Path, config: TrainConfig) -> TrainRecord | None:
     if (folder / STATE_FILE).is_file() or not (folder / CONFIG_FILE).is_file():
         return None
     _, record = read_gates(folder)
-    made_with = dataclasses.asdict(TrainConfig()) | record.data.get("config", {})  # a setting added since: default
-    return record if json.loads(json.dumps(made_with)) == json.loads(json.dumps(dataclasses.asdict(config))) else None
+    return record if config.made(record.data.get("config", {})) else None
 
 
 def evaluate(model, tokenizer, policy: str, args: argparse.Namespace) -> tuple[dict, dict]:

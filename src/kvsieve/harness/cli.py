@@ -22,7 +22,6 @@ from ..runtime.eviction.growth import DEFAULT_BUFFER
 from ..runtime.observing.prefill import observe_prefill
 from ..selection.allocators import ALLOCATORS
 from ..selection.budget import check_count, check_rate
-from ..selection.checkpoint import save_gates
 from ..selection.projection import PROJECTIONS
 from ..selection.protection import PROTECTION_DEFAULTS
 from ..selection.scorers import SCORERS
@@ -760,9 +759,7 @@ def train_gates_command(
     else:
         lengths = config.lengths
         corpus = _parsed("--data", lambda: [corpus_training_data(tokenizer, data, n, config.seed) for n in lengths])
-    gates, record = train_gates(lm, tokenizer, config, out, name, data=corpus)
-    gates.horizon = horizon
-    save_gates(gates, record, out)
+    gates, record = train_gates(lm, tokenizer, config, out, name, data=corpus, horizon=horizon)
     console.print(f"trained {len(gates.shape.layers)} layers of gates in {record.seconds:.0f} s; wrote {out}")
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,13 @@ class TrainConfig:
     kvzip_entries: str = "all"
     curriculum: tuple[int, ...] = ()
     answer_weight: float = 0.0
+
+    def made(self, saved: dict) -> bool:
+        """Whether settings a run saved (in a state file or a checkpoint's record) are these; a setting added since
+        then had its default."""
+        return json.loads(json.dumps(dataclasses.asdict(TrainConfig()) | saved)) == json.loads(
+            json.dumps(dataclasses.asdict(self))
+        )
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -281,8 +289,7 @@ def _resume(
     if not path.is_file():
         return 0, 0.0
     state = torch.load(path, weights_only=True)
-    saved = dataclasses.asdict(TrainConfig()) | state["config"]  # a setting added since then had its default
-    if saved != dataclasses.asdict(config):
+    if not config.made(state["config"]):
         raise ValueError(f"{path} was saved by a run with other settings; remove it or choose another --out")
     gates.load_state_dict(state["gates"])
     optimizer.load_state_dict(state["optimizer"])
@@ -310,10 +317,12 @@ def train_gates(
     model_name: str,
     data: TrainingData | list[TrainingData] | None = None,
     show_progress: bool = True,
+    horizon: float = 0.0,
 ) -> tuple[RetentionGates, TrainRecord]:
     """Train gates for `model` and write the checkpoint to `out` (resuming a run saved there).
 
     `data`: the sequences, or one `TrainingData` per curriculum phase (default: the bundled data at each length).
+    `horizon`: the one the checkpoint records for scorers to read the gates at (training does not use it).
     """
     check_training(model, tokenizer, config)
     phases = phase_data(tokenizer, config, data)
@@ -321,7 +330,7 @@ def train_gates(
     out.mkdir(parents=True, exist_ok=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        gates = RetentionGates(gate_shape(model, config.width), config.bias_init).to(model.device)
+        gates = RetentionGates(gate_shape(model, config.width), config.bias_init, horizon).to(model.device)
     optimizer = torch.optim.Adam(gates.parameters(), lr=config.lr)
     step, seconds = _resume(out, config, gates, optimizer)
     cos, sin = find_rotary(model)(torch.arange(max(config.lengths), device=model.device))
