@@ -82,6 +82,7 @@ VARIANTS: dict[str, dict | None] = {
         f"capacity 32 varied seed {seed}": {"capacity": 32, "tasks": "ruler,routing,varied", "seed": seed}
         for seed in (1, 2, 3, 4)
     },
+    "varied": {"tasks": "ruler,routing,varied"},
 }
 #: Gate soups: the equal-weight parameter average of variants' gates (`kvsieve average-gates`), each variant trained
 #: (or resumed) first; "capacity 128" is the base recipe's shipped checkpoint.

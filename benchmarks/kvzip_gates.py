@@ -1,14 +1,17 @@
 """Gates taught by KVzip against the shipped gates (taught by the full cache), on needle formats they never saw.
 
 Trains gates for the default model with `train-gates --target kvzip` (Fast KVzip's target, arXiv
-2601.17668: KVzip's keep decision at the capacity), with every other setting as the shipped gates
-were trained (same data, capacity 128, 160 steps of 1,024 tokens, seed 0), then runs both, and their
-teacher `kvzip+global`, question-agnostic at 50 / 75 / 90% on `--samples` samples of: needles in
-RULER's format (seen in training: `niah_single_2`, `niah_multikey_1`), needles in the two formats no
-training set uses (`niah_ledger`, `niah_locker`), and the routing families `multi_entity` and `hops`.
-Writes benchmarks/results/kvzip_gates{.json,.md}; the gates go to `--gates` (a rerun resumes there).
+2601.17668: KVzip's keep decision at the capacity) at capacity 128 (KVzip always keeps 33 entries of a head, so
+the default gates' 32 would leave it nothing to decide) and every other setting as the shipped default gates
+recorded (`make gates`: the varied suite among the task samples, 160 steps of 1,024 tokens, seed 0, read 128
+tokens ahead), then runs both, and their teacher `kvzip+global`, question-agnostic at 50 / 75 / 90 / 95% on
+`--samples` samples of: needles in RULER's format (seen in training: `niah_single_2`, `niah_multikey_1`),
+needles in the two formats no training set uses (`niah_ledger`, `niah_locker`), and the routing families
+`multi_entity` and `hops`.
+Writes benchmarks/results/kvzip_gates{.json,.md}; the gates go to `--gates` (default:
+~/.cache/kvsieve/gates/smollm2-135m-kvzip-varied; a rerun resumes there).
 
-    python benchmarks/kvzip_gates.py [--samples 10] [--length 1536] [--gates ~/.cache/kvsieve/gates/smollm2-135m-kvzip]
+    python benchmarks/kvzip_gates.py [--samples 10] [--length 1536] [--gates DIR]
 """
 
 from __future__ import annotations
@@ -28,9 +31,12 @@ from kvsieve.harness.report import markdown_table
 from kvsieve.harness.runners import LocalRunner
 from kvsieve.harness.training.data import training_data
 from kvsieve.harness.training.train import TrainConfig, train_gates
+from kvsieve.selection.checkpoint import read_gates, resolve_gates
 from results_io import Output
 
-RATES = [0.5, 0.75, 0.9]
+RATES = [0.5, 0.75, 0.9, 0.95]
+#: The capacity KVzip's keep decision is taught at (above the 33 entries of a head it always keeps).
+TAUGHT_CAPACITY = 128
 #: What the JSON keeps of each row.
 COLUMNS = ["sample", "task", "policy", "rate", "kv_bytes", "correct", "gold_logprob"]
 GROUPS = {
@@ -41,10 +47,13 @@ GROUPS = {
 
 
 def train(model, tokenizer, out: Path) -> dict:
-    """Gates taught by KVzip, trained (or resumed) in `out`; what the training recorded."""
-    config = TrainConfig(target="kvzip")
+    """Gates taught by KVzip at `TAUGHT_CAPACITY`, trained (or resumed) in `out` with the shipped default gates' other
+    settings; what the training recorded."""
+    shipped, made = read_gates(resolve_gates(DEFAULT_MODEL))
+    settings = made.data["config"] | {"curriculum": tuple(made.data["config"]["curriculum"])}
+    config = TrainConfig(**settings | {"target": "kvzip", "capacity": TAUGHT_CAPACITY})
     data = training_data(tokenizer, config.seq_len, config.per_task, config.seed, config.tasks)
-    _, record = train_gates(model, tokenizer, config, out, DEFAULT_MODEL, data=data)
+    _, record = train_gates(model, tokenizer, config, out, DEFAULT_MODEL, data=data, horizon=shipped.horizon)
     return {
         "seconds": record.seconds,
         "steps": record.steps,
@@ -81,7 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--length", type=int, default=1536)
-    parser.add_argument("--gates", type=Path, default=cache_home() / "gates" / "smollm2-135m-kvzip")
+    parser.add_argument("--gates", type=Path, default=cache_home() / "gates" / "smollm2-135m-kvzip-varied")
     args = parser.parse_args()
     model, tokenizer = ModelChoice().load()
     training = train(model, tokenizer, args.gates)
