@@ -5,7 +5,7 @@ two unseen formats `niah_ledger`, `niah_locker`, which no training set of the ga
 routing families `multi_entity` and `hops`, `--length` tokens; each context is asked every question
 it answers (`harness.data.question_sets`: 3 to 6). Every policy compresses the context once, before
 any question (`snapkv` also with the first question in view, then kept for the others), at
-50 / 75 / 90% eviction. Writes benchmarks/results/agnostic_reuse{.json,.md}.
+50 / 75 / 90 / 95% eviction. Writes benchmarks/results/agnostic_reuse{.json,.md}.
 
     python benchmarks/agnostic_reuse.py [--samples 3] [--length 1536]
 """
@@ -28,7 +28,7 @@ from results_io import Output
 
 POLICIES = ["trimkv+global", "kvzip+global", "kvzip", "expected", "streaming", "kvpress:kvzip"]
 FIRST_QUESTION = ["snapkv"]
-RATES = [0.5, 0.75, 0.9]
+RATES = [0.5, 0.75, 0.9, 0.95]
 #: What the JSON keeps of each row.
 COLUMNS = ["context", "task", "question", "compressed_with", "policy", "rate", "kv_bytes", "correct", "gold_logprob"]
 #: Columns of the table: groups of tasks.
@@ -60,18 +60,23 @@ def accuracy_cells(rows: pd.DataFrame, tasks: tuple[str, ...] | None = None) -> 
     return " / ".join(str(int(s.sum())) for _, s in by_rate) + f" of {by_rate.size().iloc[0]}"
 
 
+def rates_of(rows: pd.DataFrame) -> str:
+    """The eviction rates the compressed rows ran at, as the tables' headers write them."""
+    return " / ".join(f"{r:.0%}" for r in sorted(rows.loc[rows["policy"] != "full", "rate"].unique()))
+
+
 def markdown(report: dict) -> str:
     """Three tables: correct answers per group of tasks, the first question against the later ones, and the
     mean gold log-prob with the cache held."""
     rows = pd.DataFrame(report["rows"])
-    header = ["policy", *(f"{group}: correct at {' / '.join(f'{r:.0%}' for r in RATES)}" for group in GROUPS)]
+    rates = rates_of(rows)
+    header = ["policy", *(f"{group}: correct at {rates}" for group in GROUPS)]
     body, split = [], []
     for policy, how in contenders(rows):
         mine = rows[(rows["policy"] == policy) & (rows["compressed_with"] == how)]
         body.append([label(policy, how), *(accuracy_cells(mine, tasks) for tasks in GROUPS.values())])
         first, later = mine[mine["question"] == 0], mine[mine["question"] > 0]
         split.append([label(policy, how), accuracy_cells(first), accuracy_cells(later)])
-    rates = " / ".join(f"{r:.0%}" for r in RATES)
     second = markdown_table(["policy", f"first question: correct at {rates}", f"later questions: at {rates}"], split)
     return markdown_table(header, body) + "\n\n" + second + "\n\n" + cost_table(rows) + "\n"
 
@@ -84,8 +89,7 @@ def cost_table(rows: pd.DataFrame) -> str:
         cells = [f"{logprob:.2f} ({kv / 2**20:.1f} MiB)" for logprob, kv in zip(
             mine["gold_logprob"].mean(), mine["kv_bytes"].mean(), strict=True)]  # fmt: skip
         body.append([label(policy, how), " / ".join(cells)])
-    rates = " / ".join(f"{r:.0%}" for r in RATES)
-    return markdown_table(["policy", f"gold log-prob (KV cache held) at {rates}"], body)
+    return markdown_table(["policy", f"gold log-prob (KV cache held) at {rates_of(rows)}"], body)
 
 
 TABLE = Output("agnostic_reuse", {"": markdown})

@@ -29,7 +29,6 @@ from kvsieve.harness.models import DEFAULT_MODEL, ModelChoice, cache_home
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table
 from kvsieve.harness.runners import LocalRunner
-from kvsieve.harness.training.data import training_data
 from kvsieve.harness.training.train import TrainConfig, train_gates
 from kvsieve.selection.checkpoint import read_gates, resolve_gates
 from results_io import Output
@@ -52,13 +51,12 @@ def train(model, tokenizer, out: Path) -> dict:
     shipped, made = read_gates(resolve_gates(DEFAULT_MODEL))
     settings = made.data["config"] | {"curriculum": tuple(made.data["config"]["curriculum"])}
     config = TrainConfig(**settings | {"target": "kvzip", "capacity": TAUGHT_CAPACITY})
-    data = training_data(tokenizer, config.seq_len, config.per_task, config.seed, config.tasks)
-    _, record = train_gates(model, tokenizer, config, out, DEFAULT_MODEL, data=data, horizon=shipped.horizon)
+    _, record = train_gates(model, tokenizer, config, out, DEFAULT_MODEL, horizon=shipped.horizon)
     return {
         "seconds": record.seconds,
         "steps": record.steps,
         "capacity": record.capacity,
-        "sequences": len(data.sequences),
+        "sequences": record.data["sequences"],
     }
 
 

@@ -23,7 +23,8 @@ quantization alone. A mix keeps the entries a byte budget would give it over a n
 Each stage writes `benchmarks/results/quantized_eviction_<stage>.{json,md}`. `--widths` runs only the
 given widths of the ``ppl`` stage (and the eviction-only run, the composition's reference) and merges
 their cells into its existing results, once the eviction-only cells and the full cache's PPL come out
-as stored (perplexity is deterministic for the same runs: the other widths' cells stand).
+as stored, so that the other widths' cells still stand (a rerun whose cells moved, e.g. after a library change,
+merges nothing).
 
     python benchmarks/quantized_eviction.py [--stages ppl,tasks,stream,kvpress] [--quick]
     python benchmarks/quantized_eviction.py --stages ppl --widths fp8
