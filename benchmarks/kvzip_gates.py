@@ -51,7 +51,7 @@ def train(model, tokenizer, out: Path) -> dict:
     shipped, made = read_gates(resolve_gates(DEFAULT_MODEL))
     settings = made.data["config"] | {"curriculum": tuple(made.data["config"]["curriculum"])}
     config = TrainConfig(**settings | {"target": "kvzip", "capacity": TAUGHT_CAPACITY})
-    _, record = train_gates(model, tokenizer, config, out, DEFAULT_MODEL, horizon=shipped.horizon)
+    _, record = train_gates(model, tokenizer, config, out, DEFAULT_MODEL, horizons=shipped.horizons)
     return {
         "seconds": record.seconds,
         "steps": record.steps,

@@ -21,7 +21,7 @@ from kvsieve.harness.training.retention import (
     soft_retention,
 )
 from kvsieve.harness.training.train import TrainConfig, train_gates, train_step
-from kvsieve.modeling.gates import RetentionGates, gate_shape
+from kvsieve.modeling.gates import Horizons, RetentionGates, gate_shape
 from kvsieve.modeling.rotary import find_rotary, rotate_half
 from kvsieve.selection import checkpoint
 from kvsieve.selection.checkpoint import (
@@ -261,7 +261,7 @@ def test_a_checkpoint_records_the_horizon_trimkv_reads_it_at(tmp_path):
     ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(4))
     for recorded in (100.0, math.inf):
         gates = _gates(model)
-        gates.horizon = recorded
+        gates.horizons = Horizons(recorded)
         _checkpoint(tmp_path / str(recorded), model, gates)
     score = {}
     for folder, spec in [("100.0", ""), ("100.0", ",horizon=0"), ("inf", ""), ("inf", ",horizon=100")]:
@@ -274,12 +274,45 @@ def test_a_checkpoint_records_the_horizon_trimkv_reads_it_at(tmp_path):
     torch.testing.assert_close(score["100.0", ",horizon=0"], distance * log_beta, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(score["inf", ",horizon=100"], score["100.0", ""], atol=1e-5, rtol=1e-5)
     config = json.loads((tmp_path / "inf" / checkpoint.CONFIG_FILE).read_text())
-    assert config["horizon"] == "inf" and read_gates(tmp_path / "inf")[0].horizon == math.inf
+    assert config["horizon"] == config["bounded_horizon"] == "inf"
+    assert read_gates(tmp_path / "inf")[0].horizons == Horizons(math.inf, math.inf)
     assert kvsieve.make_policy("trimkv+global").name == "trimkv+global", "the default horizon is not spelled out"
-    config["horizon"] = -5
+    del config["bounded_horizon"]  # a checkpoint from before kvsieve recorded two: one horizon for both
     (tmp_path / "inf" / checkpoint.CONFIG_FILE).write_text(json.dumps(config))
-    with pytest.raises(GateCheckpointError, match="horizon must be a number of tokens >= 0 or inf, got -5"):
-        read_gates(tmp_path / "inf")
+    assert read_gates(tmp_path / "inf")[0].horizons == Horizons(math.inf, math.inf)
+    for key, value, message in [("horizon", -5, "horizon"), ("bounded_horizon", "soon", "bounded horizon")]:
+        (tmp_path / "inf" / checkpoint.CONFIG_FILE).write_text(json.dumps(config | {key: value}))
+        with pytest.raises(GateCheckpointError, match=f"{message} must be a number of tokens >= 0 or inf, got"):
+            read_gates(tmp_path / "inf")
+
+
+@torch.no_grad()
+def test_one_compression_and_a_bounded_cache_read_their_own_horizons(tmp_path):
+    """A checkpoint records one horizon for compressing a prompt once and one for a cache held at a size as it
+    grows: `compress` with a rate reads the first; a prompt compressed to a size held during generation (`buffer`)
+    and a chunked prefill (evicted again and again) the second; each keeps what a spec naming that horizon keeps."""
+    model = tiny_llama()
+    gates = _gates(model)
+    torch.nn.init.normal_(gates.scoring.weight, std=1.0)
+    gates.horizons = Horizons(once=math.inf, bounded=0)
+    _checkpoint(tmp_path, model, gates)
+    ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(5))
+
+    def kept(spec: str, **budget) -> list:
+        cache = kvsieve.compress(model, ids, f"trimkv+global:gates={tmp_path}{spec}", n_recent=4, **budget)
+        return [p.tolist() for layer in cache.full_layers for p in cache.kept_positions(layer)]
+
+    once = {"rate": 0.75}
+    assert kept("", **once) == kept(",horizon=inf", **once) != kept(",horizon=0", **once)
+    for bounded in ({"max_tokens": 24, "buffer": 8}, {"max_tokens": 24, "chunk": 20}):
+        assert kept("", **bounded) == kept(",horizon=0", **bounded) != kept(",horizon=inf", **bounded)
+    policy = kvsieve.make_policy(f"trimkv:gates={tmp_path}")
+    obs = kvsieve.observe_prefill(model, ids, policy.needs).observations[0][0]
+    assert not obs.bounded, "an observed prefill is compressed once"
+    score = policy.scorer.score(dataclasses.replace(obs, bounded=True))
+    torch.testing.assert_close(score, (120 - torch.arange(120)) * policy.scorer.score(obs), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="bounded horizon must be a number of tokens >= 0 or inf, got -1"):
+        Horizons(once=0, bounded=-1)
 
 
 @torch.no_grad()
@@ -337,11 +370,11 @@ def test_train_gates_command_writes_a_checkpoint_the_scorer_loads(model_dir, tmp
 
     out = tmp_path / "gates"
     args = ["train-gates", "--model", str(model_dir), "--out", str(out), "--steps", "2", "--seq-len", "256"]
-    trained_args = [*args, "--capacity", "16", "--per-task", "0", "--horizon", "inf"]
+    trained_args = [*args, "--capacity", "16", "--per-task", "0", "--horizon", "inf", "--bounded-horizon", "128"]
     result = CliRunner(env={"COLUMNS": "200"}).invoke(app, trained_args)
     assert result.exit_code == 0, result.output
     gates, record = read_gates(out)
-    assert gates.horizon == math.inf, "--horizon is kept in the checkpoint"
+    assert gates.horizons == Horizons(math.inf, 128), "--horizon and --bounded-horizon are kept in the checkpoint"
     assert record.steps == 2 and record.capacity == 16 and record.model_name == str(model_dir)
     assert set(record.data["heldout_essays"]).isdisjoint(record.data["train_essays"])
     assert record.data["task_seed"] > 1000, "training tasks never share a seed with evaluation"
@@ -358,6 +391,8 @@ def test_train_gates_command_writes_a_checkpoint_the_scorer_loads(model_dir, tmp
     assert short.exit_code == 2 and "too small" in short.output, "task prompts that do not fit: a clean error"
     behind = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--horizon", "-3"])
     assert behind.exit_code == 2 and "horizon must be a number of tokens >= 0" in behind.output
+    behind = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--bounded-horizon", "-3"])
+    assert behind.exit_code == 2 and "bounded horizon must be a number of tokens >= 0" in behind.output
 
 
 def test_decay_bias_in_the_fused_kernel_equals_the_explicit_bias():

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from kvsieve.selection.budget import MaxTokens, Rate
+from kvsieve.selection.observation import LayerFacts
 from kvsieve.selection.scorers import SCORERS
 from kvsieve.selection.spec import make_policy
+from kvsieve.vllm.compaction import ReadLayer, WorkerSieve
 from kvsieve.vllm.engine import SCHEDULER, SUPPORTED_VLLM, WORKER, prepare_engine_args
 from kvsieve.vllm.held import HeldCache, RecentMeasures
 from kvsieve.vllm.layout import read_entries
@@ -110,6 +112,18 @@ def test_held_positions_and_recent_measures():
     recent.append({"queries": torch.tensor([[[8.0]], [[9.0]]])}, torch.tensor([4]))
     queries = recent.measured["queries"]
     assert recent.positions.tolist() == [2, 3, 4] and queries[:, :, 0].tolist() == [[4, 6, 8], [5, 7, 9]]
+
+
+def test_a_request_held_at_a_size_is_observed_as_bounded():
+    """What a compaction scores says whether the request is compressed once (a rate) or held at a size while it
+    generates (`max_tokens` with `buffer`): `trimkv` reads its checkpoint's horizon for that case."""
+    entries = torch.zeros(1, 8, 4)
+    read = ReadLayer(None, "auto", entries, LayerFacts(scaling=0.5, q_heads=2), entries, entries, torch.arange(8)[None])
+    row = RowPlan("r", 0, 8, computed=0, seen=8, blocks=torch.zeros(2), evicted=0, due=True)
+    for entry, bounded in [({"rate": 0.5}, False), ({"max_tokens": 4, "buffer": 2}, True)]:
+        settings = PluginSettings.parse({"policy": "trimkv", **entry})
+        (observation,) = WorkerSieve(settings, runner=None, held={"r": HeldCache()}).observations(row, {0: read})
+        assert observation.bounded is bounded and observation.positions.tolist() == [list(range(8))]
 
 
 def test_read_entries_follows_the_cpu_layout():

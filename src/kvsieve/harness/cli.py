@@ -14,7 +14,7 @@ import torch
 import typer
 from rich.table import Table
 
-from ..modeling.gates import checked_horizon
+from ..modeling.gates import Horizons
 from ..runtime.api.compress import compress
 from ..runtime.attention.sieve import sieve_attention
 from ..runtime.compat import cache_argument
@@ -736,14 +736,19 @@ def train_gates_command(
         typer.Option(help="sequence lengths in equal shares of the steps, e.g. 1024,4096 (--seq-len then unused)"),
     ] = None,
     horizon: Annotated[
-        float, typer.Option(help="the horizon trimkv reads the gates at by default (kept in config.json; inf ok)")
+        float,
+        typer.Option(help="how far ahead trimkv reads the gates when compressing a prompt once (config.json; inf ok)"),
     ] = 0.0,
+    bounded_horizon: Annotated[
+        float | None,
+        typer.Option(help="how far ahead it reads them in a cache held at a size as it grows (default: --horizon)"),
+    ] = None,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
     budget: Annotated[int | None, typer.Option(hidden=True, help="deprecated: --capacity")] = None,
 ) -> None:
     """Train retention gates (TrimKV / DBTrimKV) for a model on this machine; the model itself is not changed."""
-    _parsed("--horizon", lambda: checked_horizon(horizon))
+    horizons = _parsed("--horizon / --bounded-horizon", lambda: Horizons(horizon, bounded_horizon))
     entries, where = _capacity_and_scope(capacity, scope, budget)
     settings = {"capacity": entries, "scope": where, "steps": steps, "seq_len": seq_len, "lam": lam, "ntp": ntp}
     settings |= {"lr": lr, "width": width, "per_task": per_task, "kl_tokens": kl_tokens, "seed": seed}
@@ -759,7 +764,7 @@ def train_gates_command(
     else:
         lengths = config.lengths
         corpus = _parsed("--data", lambda: [corpus_training_data(tokenizer, data, n, config.seed) for n in lengths])
-    gates, record = train_gates(lm, tokenizer, config, out, name, data=corpus, horizon=horizon)
+    gates, record = train_gates(lm, tokenizer, config, out, name, data=corpus, horizons=horizons)
     console.print(f"trained {len(gates.shape.layers)} layers of gates in {record.seconds:.0f} s; wrote {out}")
 
 

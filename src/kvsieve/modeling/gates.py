@@ -6,8 +6,9 @@ for every layer and head (DBTrimKV's shared final projection), turns that into `
 (-inf, 0] through a log-sigmoid. At time `t` the
 entry written at position `i` scores `(t - i) * log beta`: it decays at its own rate, and because
 every layer and head ends in the same projection, the scores of all of them sit on one axis and one
-global top-k can compare them. A checkpoint also records its `horizon`: how many tokens after the last
-one a scorer compares the retentions by default, `(t + horizon - i) * log beta` (0: TrimKV's next step).
+global top-k can compare them. A checkpoint also records its `Horizons`: how many tokens after the last
+one a scorer compares the retentions by default, `(t + horizon - i) * log beta` (0: TrimKV's next step),
+one for compressing a prompt once and one for a cache evicted again and again as it grows.
 
 TRIM-KV's gate reads the layer's normalised hidden state when the entry is written, and its cache
 stores `beta`. Ours reads the entry itself (`W_k x` with RoPE undone, and `W_v x`, for that head),
@@ -82,16 +83,46 @@ def checked_horizon(horizon: float | str) -> float:
     return value
 
 
+@dataclass(frozen=True)
+class Horizons:
+    """How many tokens ahead a scorer compares the gates' retentions unless told otherwise (kept in the checkpoint).
+
+    Attributes:
+        once: when a prompt is compressed once (`kvsieve.compress`): the kept entries serve whatever comes later.
+        bounded: when a cache is held at a size while it grows and is evicted again every few tokens (None:
+            as `once`). Far ahead, an entry's score never falls with age and stale entries pile up.
+    """
+
+    once: float = 0.0
+    bounded: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "once", checked_horizon(self.once))
+        try:
+            bounded = self.once if self.bounded is None else checked_horizon(self.bounded)
+        except ValueError as err:
+            raise ValueError(f"bounded {err}") from None
+        object.__setattr__(self, "bounded", bounded)
+
+    def at(self, bounded: bool) -> float:
+        """The horizon for one compression (`bounded=False`) or for a bounded cache's evictions."""
+        return self.bounded if bounded else self.once
+
+
+#: TrimKV's next step, for one compression and a bounded cache alike (a checkpoint that records no horizon).
+NEXT_STEP = Horizons()
+
+
 class RetentionGates(nn.Module):
     """`log beta` of each entry of each gated layer: per-(layer, head) hidden layers, one shared scoring projection.
 
-    `horizon` is the one a scorer reads these gates at unless told otherwise (kept in the checkpoint).
+    `horizons` are the ones a scorer reads these gates at unless told otherwise (kept in the checkpoint).
     """
 
-    def __init__(self, shape: GateShape, bias_init: float = DEFAULT_BIAS_INIT, horizon: float = 0.0) -> None:
+    def __init__(self, shape: GateShape, bias_init: float = DEFAULT_BIAS_INIT, horizons: Horizons = NEXT_STEP) -> None:
         super().__init__()
         self.shape = shape
-        self.horizon = checked_horizon(horizon)
+        self.horizons = horizons
         features = 2 * shape.head_dim + 2
         self.hidden_weight = nn.ParameterDict(
             {str(layer): nn.Parameter(torch.empty(shape.kv_heads, features, shape.width)) for layer in shape.layers}

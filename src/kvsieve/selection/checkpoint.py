@@ -1,6 +1,6 @@
 """Retention-gate checkpoints: `gates.safetensors` plus `config.json`, tied to one model by a hash of its weights.
 
-`config.json` records the gates' shape, the horizon a scorer reads them at by default, the model
+`config.json` records the gates' shape, the horizons a scorer reads them at by default, the model
 (name and weights hash) and how they were trained (`TrainRecord`). Loading checks the shape and the
 model: gates for another model, or for other dimensions, are a clear error. Checkpoints shipped with
 kvsieve live in `kvsieve/selection/checkpoints/<name>/` and load by that name; ``"default"`` picks the
@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..modeling.fingerprint import model_fingerprint
-from ..modeling.gates import GateShape, RetentionGates, gate_shape
+from ..modeling.gates import GateShape, Horizons, RetentionGates, gate_shape
 from .allocators import ALLOCATORS
 
 WEIGHTS_FILE = "gates.safetensors"
@@ -64,10 +64,14 @@ def save_gates(gates: RetentionGates, record: TrainRecord, out: str | Path) -> P
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous() for k, v in gates.state_dict().items()}, str(out / WEIGHTS_FILE))
-    horizon = gates.horizon if math.isfinite(gates.horizon) else "inf"  # JSON has no infinity
-    config = {"shape": gates.shape.to_dict(), "horizon": horizon, "train": asdict(record)}
+    horizons = {"horizon": _as_json(gates.horizons.once), "bounded_horizon": _as_json(gates.horizons.bounded)}
+    config = {"shape": gates.shape.to_dict(), **horizons, "train": asdict(record)}
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def _as_json(horizon: float) -> float | str:
+    return horizon if math.isfinite(horizon) else "inf"  # JSON has no infinity
 
 
 def read_gates(folder: str | Path) -> tuple[RetentionGates, TrainRecord]:
@@ -84,7 +88,8 @@ def read_gates(folder: str | Path) -> tuple[RetentionGates, TrainRecord]:
         )
     config = json.loads((folder / CONFIG_FILE).read_text())
     try:
-        gates = RetentionGates(GateShape.from_dict(config["shape"]), horizon=config.get("horizon", 0.0))
+        horizons = Horizons(config.get("horizon", 0.0), config.get("bounded_horizon"))
+        gates = RetentionGates(GateShape.from_dict(config["shape"]), horizons=horizons)
     except ValueError as err:
         raise GateCheckpointError(f"{folder / CONFIG_FILE}: {err}") from None
     try:

@@ -211,6 +211,9 @@ class Observation:
         stats: what was measured while the model ran (see `Statistics`).
         rotary: the model's rotary embedding, if a scorer needs it.
         seen: tokens the sequence has seen, when its entries are not all of them (an evicted cache).
+        bounded: whether the cache is held at a size as the sequence grows, so this eviction is one of many
+            (a chunked prefill, generation with a `buffer`, vLLM with `max_tokens` and `buffer`); False when a
+            prompt is compressed once.
     """
 
     layer_idx: int
@@ -223,6 +226,7 @@ class Observation:
     stats: Statistics = NOTHING_MEASURED
     rotary: Rotary | None = None
     seen: int | None = None
+    bounded: bool = False
 
     @property
     def num_kv_heads(self) -> int:

@@ -152,6 +152,7 @@ class WorkerSieve:
                 stats=stats,
                 rotary=self.rotary,
                 seen=seen,
+                bounded=self.settings.bounded,
             )
             out.append(observation)
         return out

@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ...modeling.fingerprint import model_fingerprint
-from ...modeling.gates import DEFAULT_BIAS_INIT, DEFAULT_WIDTH, RetentionGates, gate_shape
+from ...modeling.gates import DEFAULT_BIAS_INIT, DEFAULT_WIDTH, NEXT_STEP, Horizons, RetentionGates, gate_shape
 from ...modeling.rotary import find_rotary
 from ...selection.checkpoint import TrainRecord, save_gates
 from ..progress import progress_bar
@@ -317,12 +317,12 @@ def train_gates(
     model_name: str,
     data: TrainingData | list[TrainingData] | None = None,
     show_progress: bool = True,
-    horizon: float = 0.0,
+    horizons: Horizons = NEXT_STEP,
 ) -> tuple[RetentionGates, TrainRecord]:
     """Train gates for `model` and write the checkpoint to `out` (resuming a run saved there).
 
     `data`: the sequences, or one `TrainingData` per curriculum phase (default: the bundled data at each length).
-    `horizon`: the one the checkpoint records for scorers to read the gates at (training does not use it).
+    `horizons`: what the checkpoint records for scorers to read the gates at (training does not use them).
     """
     check_training(model, tokenizer, config)
     phases = phase_data(tokenizer, config, data)
@@ -330,7 +330,7 @@ def train_gates(
     out.mkdir(parents=True, exist_ok=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        gates = RetentionGates(gate_shape(model, config.width), config.bias_init, horizon).to(model.device)
+        gates = RetentionGates(gate_shape(model, config.width), config.bias_init, horizons).to(model.device)
     optimizer = torch.optim.Adam(gates.parameters(), lr=config.lr)
     step, seconds = _resume(out, config, gates, optimizer)
     cos, sin = find_rotary(model)(torch.arange(max(config.lengths), device=model.device))

@@ -180,7 +180,7 @@ def compress_with(
     prefill = observe_prefill(model, first, policy.needs, attention_mask=attention_mask, tokenizer=tokenizer)
     if growth is not None:
         growth.start(prefill)
-    kept = _kept_per_row(prefill, policy, budget, protect_positions, row_spans, codec)
+    kept = _kept_per_row(prefill, policy, budget, protect_positions, row_spans, codec, bounded=growth is not None)
     cache = prefill.cache.keep(kept, codec=codec)
     if growth is not None:
         growth.evicted(cache)
@@ -197,15 +197,18 @@ def _kept_per_row(
     protect: torch.Tensor | None,
     spans: Sequence[torch.Tensor] | None,
     codec: EntryCodec,
+    bounded: bool = False,
 ) -> list[list[list[torch.Tensor]]]:
     """Stored indices every row of `prefill` keeps; a policy error names the row of a batch.
 
     A byte budget pays for the sliding-window layers' windows and the codec's full-precision residuals
     first (`Budget.reserve`) and counts entries as `codec` stores them. `spans`: each row's span ids
-    over its real tokens (`spans_per_row`).
+    over its real tokens (`spans_per_row`). `bounded`: the cache will be held at the budget as it grows,
+    and this is its first eviction (`Observation.bounded`).
     """
     keep = []
     for row, observations in enumerate(prefill.observations):
+        observations = [dataclasses.replace(o, bounded=bounded) for o in observations]
         try:
             row_spans = None if spans is None else spans[row]
             budget = limit.reserve(prefill.cache.window_nbytes() + residual_nbytes(codec, observations))

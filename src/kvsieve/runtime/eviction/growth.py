@@ -223,7 +223,7 @@ class BoundedGrowth:
         recorded = None
         if self.queries is not None:
             recorded = {idx: self.queries.statistics(idx, row) for idx in cache.full_layers}
-        return cached_observations(cache, self.facts, row, self.rotary, recorded, reconstructed)
+        return cached_observations(cache, self.facts, row, self.rotary, recorded, reconstructed, bounded=True)
 
 
 def seed_received(prefill: Prefill) -> None:

@@ -21,6 +21,7 @@ def cached_observations(
     rotary: Rotary | None = None,
     recorded: Mapping[int, Statistics] | None = None,
     reconstructed: Mapping[int, torch.Tensor] | None = None,
+    bounded: bool = False,
 ) -> list[Observation]:
     """Observations of the entries a (possibly evicted) cache holds for one sequence, one per full-attention layer.
 
@@ -29,7 +30,8 @@ def cached_observations(
     each entry received is read from the cache when it keeps it (a bounded cache whose scorer
     accumulates). `reconstructed`: per layer, `[rows, q_heads, positions]` the most attention each cache
     position got while the model repeated its context (`kvsieve.runtime.observing.reconstruction.reconstruct`).
-    Nothing is recomputed: a scorer that reads what is neither given nor kept raises a clear error.
+    `bounded`: the cache is held at a size as it grows (`Observation.bounded`). Nothing is recomputed: a scorer
+    that reads what is neither given nor kept raises a clear error.
     """
     if len(facts) != len(cache.layers):
         raise ValueError(f"got the facts of {len(facts)} layers for a cache of {len(cache.layers)}")
@@ -59,6 +61,7 @@ def cached_observations(
                 stats,
                 rotary,
                 seen=layer.seen_tokens,
+                bounded=bounded,
             )
         )
     return observations

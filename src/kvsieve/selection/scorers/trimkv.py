@@ -13,7 +13,8 @@ from ...modeling.rotary import unrotate
 from ..checkpoint import DEFAULT_GATES
 from ..observation import Needs, Observation
 
-#: `horizon=default`: the horizon recorded in the gates' checkpoint (0, the next step, where it records none).
+#: `horizon=default`: the horizon the gates' checkpoint records for the eviction at hand (`Horizons`; 0, the next
+#: step, where it records none).
 DEFAULT_HORIZON = "default"
 
 
@@ -28,7 +29,9 @@ class TrimKVScorer:
     `horizon` is how many tokens after the last one the retentions `beta^(t - i)` are compared: 0 is
     TrimKV's own next step, which favours recent entries; further ahead, an entry that decays slowly
     outranks a recent one that decays fast, and ``inf`` ranks by `log beta` alone. ``"default"`` takes
-    the horizon the gates' checkpoint records (each shipped one: the horizon its ablation chose).
+    the horizon the gates' checkpoint records (`Horizons`): one for compressing a prompt once, one for a
+    cache evicted again as it grows (`Observation.bounded`); each shipped checkpoint records the ones its
+    ablation chose.
     """
 
     name: ClassVar[str] = "trimkv"
@@ -53,7 +56,7 @@ class TrimKVScorer:
         if obs.rotary is None or gates is None:
             raise ValueError(f"trimkv needs the rotary embedding and the gates {self.gates!r} (Needs.rotary, .gates)")
         log_beta = entry_log_beta(gates, obs)
-        horizon = gates.horizon if self.horizon == DEFAULT_HORIZON else self.horizon
+        horizon = gates.horizons.at(obs.bounded) if self.horizon == DEFAULT_HORIZON else self.horizon
         if math.isinf(horizon):
             return log_beta
         now = obs.seen if obs.seen is not None else int(obs.positions.max()) + 1
