@@ -3,7 +3,8 @@
 Every variant changes one thing from the base recipe, that of the gates shipped before issue 39 (`train-gates`'
 defaults: the full cache's output as the target, capacity 128 under one global budget, 160 steps of 1,024 tokens
 of the training essays and task samples, seed 0; Gemma-3-270M's: 240 steps, as `make gates-gemma`), or averages two
-variants' gates (a soup, `kvsieve average-gates`), is trained (or resumed) under `--gates-home` (a finished checkpoint
+variants' gates (a soup, `kvsieve average-gates`), or averages the logits of gates trained alike from different
+seeds (an ensemble, `kvsieve ensemble-gates`), is trained (or resumed) under `--gates-home` (a finished checkpoint
 already in a variant's folder, made with its settings elsewhere, e.g. `train-gates --device cuda`, is taken as it is,
 its time marked "elsewhere"), and is judged as ``trimkv+global`` beside the full cache and ``kvzip+global`` (5-9
 prefills a prompt; on Gemma-3-270M also the heuristics that beat its base gates, ``expected`` and ``vatp+global``) on:
@@ -45,6 +46,7 @@ from kvsieve.harness.models import DEFAULT_MODEL, ModelChoice, cache_home, torch
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table
 from kvsieve.harness.runners import LocalRunner
+from kvsieve.harness.training.ensemble import ensemble_gates
 from kvsieve.harness.training.soup import average_gates
 from kvsieve.harness.training.train import STATE_FILE, TrainConfig, train_gates
 from kvsieve.selection.checkpoint import CONFIG_FILE, TrainRecord, read_gates, resolve_gates
@@ -80,9 +82,10 @@ VARIANTS: dict[str, dict | None] = {
     "capacity 32 varied": {"capacity": 32, "tasks": "ruler,routing,varied"},
     **{
         f"capacity 32 varied seed {seed}": {"capacity": 32, "tasks": "ruler,routing,varied", "seed": seed}
-        for seed in (1, 2, 3, 4)
+        for seed in range(1, 9)
     },
     "varied": {"tasks": "ruler,routing,varied"},
+    **{f"seed {seed}": {"seed": seed} for seed in range(1, 5)},
 }
 #: Gate soups: the equal-weight parameter average of variants' gates (`kvsieve average-gates`), each variant trained
 #: (or resumed) first; "capacity 128" is the base recipe's shipped checkpoint.
@@ -92,7 +95,20 @@ SOUPS: dict[str, tuple[str, ...]] = {
     "soup capacity 32+64": ("capacity 32", "capacity 64"),
     "soup capacity 32+curriculum": ("capacity 32", "curriculum 1k-4k"),
 }
-NAMES = [*VARIANTS, *SOUPS]
+#: Gate ensembles: the equal-weight mean of the logits of variants' gates trained alike from different seeds
+#: (`kvsieve ensemble-gates`), each trained (or resumed) first, read at the horizons of the model's shipped gates.
+ENSEMBLES: dict[str, tuple[str, ...]] = {
+    "ensemble capacity 32 varied seeds 0-4": (
+        "capacity 32 varied",
+        *(f"capacity 32 varied seed {s}" for s in range(1, 5)),
+    ),
+    "ensemble capacity 32 varied seeds 0-8": (
+        "capacity 32 varied",
+        *(f"capacity 32 varied seed {s}" for s in range(1, 9)),
+    ),
+    "ensemble seeds 0-4": ("capacity 128", *(f"seed {s}" for s in range(1, 5))),
+}
+NAMES = [*VARIANTS, *SOUPS, *ENSEMBLES]
 #: The rival every variant is paired with (the full cache runs beside each policy).
 BASELINE = "kvzip+global"
 #: Per model: what its base recipe changes from `TrainConfig`'s defaults, and the rivals it is judged by.
@@ -101,11 +117,13 @@ RIVALS = {DEFAULT_MODEL: [BASELINE], GEMMA_MODEL: [BASELINE, "expected", "vatp+g
 #: Per model: the shipped checkpoint trained by the base recipe (the default model's default gates are `capacity 32
 #: varied`'s; `capacity 32`'s ship as smollm2-135m-capacity32).
 BASE_GATES = {DEFAULT_MODEL: "smollm2-135m-capacity128", GEMMA_MODEL: "gemma3-270m"}
+#: Per model: the shipped default gates, whose horizons an ensemble records.
+SHIPPED_GATES = {DEFAULT_MODEL: "smollm2-135m", GEMMA_MODEL: "gemma3-270m"}
 
 
 def variant_policy(name: str, home: Path, model_name: str) -> str:
     """The policy string that runs a variant's gates under one global budget."""
-    trained = name in SOUPS or VARIANTS[name] is not None
+    trained = name not in VARIANTS or VARIANTS[name] is not None
     return f"trimkv+global:gates={home / _folder(name) if trained else BASE_GATES[model_name]}"
 
 
@@ -114,15 +132,10 @@ def _folder(name: str) -> str:
 
 
 def train_variant(model, tokenizer, name: str, home: Path, model_name: str) -> dict:
-    """Train (or resume) a variant of `model_name`'s base recipe, or a soup's ingredients; what training recorded."""
-    if name in SOUPS:
-        ingredients = SOUPS[name]
-        for part in ingredients:
-            train_variant(model, tokenizer, part, home, model_name)
-        base = resolve_gates(BASE_GATES[model_name])
-        folders = [base if VARIANTS[part] is None else home / _folder(part) for part in ingredients]
-        _, record = read_gates(average_gates(folders, None, home / _folder(name)))
-        return {"seconds": record.seconds, "changes": {"soup": list(ingredients)}}
+    """Train (or resume) a variant of `model_name`'s base recipe, or the parts of a soup or an ensemble; what
+    training recorded."""
+    if name in SOUPS or name in ENSEMBLES:
+        return _combine(model, tokenizer, name, home, model_name)
     if VARIANTS[name] is None:
         return {}
     config = TrainConfig(**RECIPES[model_name] | VARIANTS[name])
@@ -135,6 +148,22 @@ def train_variant(model, tokenizer, name: str, home: Path, model_name: str) -> d
         "seconds": record.seconds,
         "changes": {k: list(v) if isinstance(v, tuple) else v for k, v in VARIANTS[name].items()},
     } | ({"elsewhere": True} if elsewhere else {})
+
+
+def _combine(model, tokenizer, name: str, home: Path, model_name: str) -> dict:
+    """Train a soup's or an ensemble's parts, then combine them; their summed training time."""
+    kind, parts = ("soup", SOUPS[name]) if name in SOUPS else ("ensemble", ENSEMBLES[name])
+    trained = [train_variant(model, tokenizer, part, home, model_name) for part in parts]
+    base = resolve_gates(BASE_GATES[model_name])
+    folders = [base if VARIANTS[part] is None else home / _folder(part) for part in parts]
+    if kind == "soup":
+        combined = average_gates(folders, None, home / _folder(name))
+    else:
+        horizons = read_gates(resolve_gates(SHIPPED_GATES[model_name]))[0].horizons
+        combined = ensemble_gates(folders, None, home / _folder(name), horizons)
+    _, record = read_gates(combined)
+    elsewhere = any(part.get("elsewhere") for part in trained)
+    return {"seconds": record.seconds, "changes": {kind: list(parts)}} | ({"elsewhere": True} if elsewhere else {})
 
 
 def _trained_elsewhere(folder: Path, config: TrainConfig) -> TrainRecord | None:

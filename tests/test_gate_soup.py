@@ -61,7 +61,7 @@ def test_gates_that_do_not_average_are_refused(tmp_path):
     with pytest.raises(GateCheckpointError, match=r"from seed 7.*same start"):
         average_gates(pairs, [0.5, 0.5], tmp_path / "out")
     for name in ("other", "wide"):
-        with pytest.raises(GateCheckpointError, match="only gates of one model and one shape average"):
+        with pytest.raises(GateCheckpointError, match="only gates of one model and one shape combine"):
             average_gates([tmp_path / "a", tmp_path / name], [0.5, 0.5], tmp_path / "out")
     with pytest.raises(ValueError, match="2 gate checkpoints need 2 weights, got 3"):
         average_gates(pairs, [0.2, 0.3, 0.5], tmp_path / "out")

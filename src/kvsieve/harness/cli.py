@@ -63,6 +63,7 @@ from .report.figures import plot_allocation, plot_eviction_map
 from .report.html import MANIFEST_FILE, RESULTS_FILE, accuracy_pivot, write_report
 from .runners import LocalRunner, Runner, run_once
 from .training.data import corpus_training_data
+from .training.ensemble import ensemble_gates
 from .training.losses import SCOPES
 from .training.soup import average_gates
 from .training.train import TrainConfig, check_training, phase_data, train_gates
@@ -778,6 +779,27 @@ def average_gates_command(
     shares = _split(weights, float) if weights else None
     _parsed("average-gates", lambda: average_gates(sources, shares, out))
     console.print(f"averaged {len(sources)} gate checkpoints ({weights or 'equal weights'}); wrote {out}")
+
+
+@app.command(name="ensemble-gates")
+def ensemble_gates_command(
+    sources: Annotated[list[Path], typer.Argument(help="gate checkpoint folders of one model, e.g. one per seed")],
+    out: Annotated[Path, typer.Option(help="where the ensemble's checkpoint goes")],
+    weights: Annotated[str | None, typer.Option(help="one per checkpoint, summing to 1 (default: equal)")] = None,
+    horizon: Annotated[
+        float | None, typer.Option(help="how far ahead trimkv reads the ensemble once (default: the members')")
+    ] = None,
+    bounded_horizon: Annotated[
+        float | None, typer.Option(help="how far ahead in a cache held at a size (default: --horizon)")
+    ] = None,
+) -> None:
+    """Combine retention-gate checkpoints into one whose logit is the mean of theirs (an ensemble): one checkpoint."""
+    shares = _split(weights, float) if weights else None
+    if horizon is None and bounded_horizon is not None:
+        raise typer.BadParameter("--bounded-horizon needs --horizon", param_hint="--bounded-horizon")
+    horizons = None if horizon is None else _parsed("--horizon", lambda: Horizons(horizon, bounded_horizon))
+    _parsed("ensemble-gates", lambda: ensemble_gates(sources, shares, out, horizons))
+    console.print(f"combined {len(sources)} gate checkpoints ({weights or 'equal weights'}); wrote {out}")
 
 
 if __name__ == "__main__":
