@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
-from ...modeling.gates import RetentionGates
+from ...modeling.gates import GateShape, RetentionGates
 from ...selection.checkpoint import GateCheckpointError, TrainRecord, read_gates
 
 Member = tuple[RetentionGates, TrainRecord]
@@ -30,7 +30,7 @@ def read_members(
     members = [read_gates(source) for source in sources]
     (gates, first), rest = members[0], members[1:]
 
-    def geometry(shape):
+    def geometry(shape: GateShape) -> GateShape:
         return shape if same_width else dataclasses.replace(shape, width=0)
 
     for source, (other, record) in zip(sources[1:], rest, strict=True):
