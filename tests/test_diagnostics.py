@@ -19,8 +19,10 @@ from kvsieve.harness.eval.analysis import (
     cliff,
     consensus_by_depth,
     hallucination_vs_ger,
+    layer_means,
     library_side_by_side,
     pearson,
+    recall_by_depth,
 )
 from kvsieve.harness.eval.routing import (
     CONSENSUS_SCOPE,
@@ -37,6 +39,7 @@ from kvsieve.harness.report.figures import (
     plot_consensus_by_depth,
     plot_eviction_map,
     plot_hallucination_vs_ger,
+    plot_recall_by_depth,
 )
 from kvsieve.runtime.observing.prefill import observe_prefill
 from kvsieve.selection.spec import make_policy
@@ -254,6 +257,7 @@ def sweep_frame() -> pd.DataFrame:
                     "consensus_mean": 0.5,
                     "agreement_mean": 0.5,
                     "consensus_by_layer": [0.25 * index, 1 - rate, math.nan if index == 0 else rate],
+                    "recall_by_layer": [1 - ger, 0.5 * index, 1.0],
                 }
             )
     return pd.DataFrame(rows)
@@ -317,6 +321,26 @@ def test_consensus_by_depth():
             assert table.loc[(policy, rate, layer), "consensus"] == pytest.approx(sum(values) / len(values))
 
 
+def test_recall_by_depth_means_each_layer_over_samples():
+    df = sweep_frame()
+    table = recall_by_depth(df).set_index(["policy", "rate", "layer"])
+    for (_, policy, rate), correct in CURVES.items():
+        rows = df[(df["policy"] == policy) & (df["rate"] == rate)]
+        expected = np.mean(np.asarray(rows["recall_by_layer"].tolist()), axis=0)
+        for layer in range(3):
+            assert table.loc[(policy, rate, layer), "recall"] == pytest.approx(expected[layer])
+            assert table.loc[(policy, rate, layer), "n"] == len(correct)
+
+
+def test_layer_means_refuses_ragged_lists_and_missing_columns():
+    df = sweep_frame()
+    df.at[0, "recall_by_layer"] = [0.5]
+    with pytest.raises(ValueError, match="recall_by_layer has different lengths \\[1, 3\\]"):
+        recall_by_depth(df)
+    with pytest.raises(ValueError, match="needs the sweep columns \\['depth_list'\\]"):
+        layer_means(df, "depth_list", "depth")
+
+
 def test_cliff_on_a_designed_curve():
     table = cliff(sweep_frame(), keep=0.9).set_index(["library", "policy"])
     snap = table.loc[("kvsieve", "snapkv")]
@@ -377,6 +401,7 @@ def test_figures_write_pngs(tmp_path):
         plot_accuracy_vs_rate(accuracy_by_rate(both), tmp_path / "accuracy.png"),
         plot_hallucination_vs_ger(ger["points"], ger["r_points"], tmp_path / "ger.png"),
         plot_consensus_by_depth(consensus_by_depth(df), tmp_path / "consensus.png", title="tiny"),
+        plot_recall_by_depth(recall_by_depth(df), tmp_path / "recall.png"),
     ]
     for path in paths:
         data = path.read_bytes()

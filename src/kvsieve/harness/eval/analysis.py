@@ -1,10 +1,10 @@
-"""Sweep analysis: accuracy curves, hallucination vs GER, consensus by depth, the cliff, kvsieve vs kvpress.
+"""Sweep analysis: accuracy curves, hallucination vs GER, consensus and recall by depth, the cliff, kvsieve vs kvpress.
 
 Every function takes a pandas DataFrame of sweep rows (one per sample x policy x rate x mode) and
 returns a new DataFrame or dict; nothing is modified in place. A row has at least the columns
 `suite, task, index, mode, library, policy, rate, score, correct, abstained, hallucinated,
 gold_logprob, gold_rank, kv_bytes, seconds, ger_layer, ger_model, recall_mean, consensus_mean,
-agreement_mean, consensus_by_layer`. The full cache is the policy ``"full"`` at rate 0.
+agreement_mean, consensus_by_layer, recall_by_layer`. The full cache is the policy ``"full"`` at rate 0.
 
 Accuracy is the share of correct samples in [0, 1]; `score` is the 0-100 string-match score.
 GER and consensus follow arXiv 2603.01426 (see `kvsieve.harness.eval.routing`).
@@ -137,32 +137,45 @@ def hallucination_vs_ger(df: pd.DataFrame) -> dict[str, Any]:
     }
 
 
-def consensus_by_depth(df: pd.DataFrame, by: Sequence[str] = ("policy", "rate")) -> pd.DataFrame:
-    """Mean head consensus per layer for each group `by` (default (policy, rate)), from `consensus_by_layer`.
+def layer_means(df: pd.DataFrame, column: str, name: str, by: Sequence[str] = ("policy", "rate")) -> pd.DataFrame:
+    """Mean over samples of a per-layer list `column` (one value per layer in each row), for each group `by`.
 
-    Long format: the `by` columns, `layer`, `consensus` (NaN-skipping mean over samples), `n` (samples).
-    Consensus is over the query heads of one layer (arXiv 2603.01426).
+    Long format: the `by` columns, `layer`, `name` (NaN-skipping mean over samples), `n` (samples).
     """
-    _require(df, [*by, "consensus_by_layer"], "consensus_by_depth")
+    _require(df, [*by, column], f"layer_means of {column}")
     out = []
     for key, rows in df.groupby(list(by), sort=True):
         key = key if isinstance(key, tuple) else (key,)
-        lists = [list(v) for v in rows["consensus_by_layer"] if v is not None and len(v)]
+        lists = [list(v) for v in rows[column] if v is not None and len(v)]
         if not lists:
             continue
         lengths = {len(v) for v in lists}
         if len(lengths) != 1:
-            raise ValueError(
-                f"consensus_by_layer has different lengths {sorted(lengths)} within {dict(zip(by, key, strict=True))}"
-            )
+            group = dict(zip(by, key, strict=True))
+            raise ValueError(f"{column} has different lengths {sorted(lengths)} within {group}")
         values = np.asarray(lists, dtype=float)
         finite = np.isfinite(values)
         sums = np.where(finite, values, 0.0).sum(axis=0)
         counts = finite.sum(axis=0)
         means = np.divide(sums, counts, out=np.full(sums.shape, np.nan), where=counts > 0)
         for layer, value in enumerate(means):
-            out.append({**dict(zip(by, key, strict=True)), "layer": layer, "consensus": float(value), "n": len(lists)})
-    return pd.DataFrame(out, columns=[*by, "layer", "consensus", "n"])
+            out.append({**dict(zip(by, key, strict=True)), "layer": layer, name: float(value), "n": len(lists)})
+    return pd.DataFrame(out, columns=[*by, "layer", name, "n"])
+
+
+def consensus_by_depth(df: pd.DataFrame, by: Sequence[str] = ("policy", "rate")) -> pd.DataFrame:
+    """Mean head consensus per layer for each group `by` (default (policy, rate)), from `consensus_by_layer`.
+
+    Long format: the `by` columns, `layer`, `consensus`, `n` (`layer_means`). Consensus is over the query heads
+    of one layer (arXiv 2603.01426).
+    """
+    return layer_means(df, "consensus_by_layer", "consensus", by)
+
+
+def recall_by_depth(df: pd.DataFrame, by: Sequence[str] = ("policy", "rate")) -> pd.DataFrame:
+    """Mean evidence recall per layer (the share of the evidence tokens a layer's kv-heads still store, averaged
+    over them) for each group `by`, from `recall_by_layer`: the `by` columns, `layer`, `recall`, `n`."""
+    return layer_means(df, "recall_by_layer", "recall", by)
 
 
 def _steepest_drop(curve: list[tuple[float, float]]) -> tuple[float, float, float] | None:

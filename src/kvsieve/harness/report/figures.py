@@ -165,13 +165,10 @@ def plot_hallucination_vs_ger(points: pd.DataFrame, r: float, path: str | Path, 
     return _save(fig, path)
 
 
-def plot_consensus_by_depth(table: pd.DataFrame, path: str | Path, title: str | None = None) -> Path:
-    """Head consensus vs layer index, a line per (policy, rate); darker = higher rate.
-
-    `table` is `consensus_by_depth(df)`; H = the query heads of one layer.
-    """
+def _plot_by_layer(table: pd.DataFrame, value: str, ylabel: str, title: str, path: str | Path) -> Path:
+    """`table[value]` vs layer index, a line per (policy, rate); darker = higher rate."""
     fig, ax = _figure(figsize=(7.5, 4.5), dpi=120)
-    policies = sorted(table["policy"].unique())
+    policies = list(dict.fromkeys(table["policy"]))
     maps = ["Blues", "Oranges", "Greens", "Reds", "Purples", "Greys", "YlOrBr", "PuRd", "BuGn", "GnBu"]
     lines = 0
     for i, policy in enumerate(policies):
@@ -181,19 +178,36 @@ def plot_consensus_by_depth(table: pd.DataFrame, path: str | Path, title: str | 
         for j, rate in enumerate(rates):
             curve = rows[rows["rate"] == rate].sort_values("layer")
             shade = 0.45 + 0.5 * (j / max(1, len(rates) - 1))
-            ax.plot(
-                curve["layer"], curve["consensus"], marker=".", color=cmap(shade), label=f"{policy} @ {100 * rate:.0f}%"
-            )
+            ax.plot(curve["layer"], curve[value], marker=".", color=cmap(shade), label=f"{policy} @ {100 * rate:.0f}%")
             lines += 1
     ax.set_xlabel("layer")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel("head consensus (distinct argmax tokens / query heads)")
+    ax.set_ylabel(ylabel)
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
     _legend(ax, lines)
-    ax.set_title(title or "head consensus by depth (H = query heads of one layer; low = rigid)")
+    ax.set_title(title)
     fig.tight_layout()
     return _save(fig, path)
+
+
+def plot_consensus_by_depth(table: pd.DataFrame, path: str | Path, title: str | None = None) -> Path:
+    """Head consensus vs layer index, a line per (policy, rate); darker = higher rate.
+
+    `table` is `consensus_by_depth(df)`; H = the query heads of one layer.
+    """
+    ylabel = "head consensus (distinct argmax tokens / query heads)"
+    title = title or "head consensus by depth (H = query heads of one layer; low = rigid)"
+    return _plot_by_layer(table.sort_values("policy", kind="stable"), "consensus", ylabel, title, path)
+
+
+def plot_recall_by_depth(table: pd.DataFrame, path: str | Path, title: str | None = None) -> Path:
+    """Evidence recall vs layer index, a line per (policy, rate) in the table's order; darker = higher rate.
+
+    `table` is `recall_by_depth(df)`: the share of the evidence tokens a layer's kv-heads still store.
+    """
+    ylabel = "evidence recall (share of the evidence kept, mean over kv-heads)"
+    return _plot_by_layer(table, "recall", ylabel, title or "evidence recall by depth", path)
 
 
 def plot_allocation(allocation: Allocation, path: str | Path, title: str | None = None) -> Path:

@@ -1,0 +1,130 @@
+"""Where the lost needles sat: answers and kept evidence by the needle's depth in the context.
+
+Issue 39's unseen needle formats (`niah_ledger`, `niah_locker`; no training set of the gates uses them),
+question-agnostic, the gate ablation's samples (`--samples` per task, `--length` tokens, seed 0), so the
+answers are those of its rows. Each sample's asked needle is placed by the start of its evidence in the
+context (first, middle or last third); per policy, rate and third: needles answered (the full cache's
+beside), the evidence recall (the share of the needle's tokens each (layer, kv-head) still stores, mean
+over them) and GER (the share of its tokens no head of a layer stores, mean over layers; arXiv 2603.01426).
+The figure (`needle_depth.png`) draws the evidence recall of each layer at 75%, every needle.
+
+Raw rows go to results/needle_depth/results.jsonl (a rerun resumes; rows of other policies or rates
+there are left out of the tables).
+
+    python benchmarks/needle_depth.py [--policies "trimkv+global;trimkv"] [--rates 0.5,0.75,0.9] [--samples 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pandas as pd
+from rich.console import Console
+
+from kvsieve import load_model
+from kvsieve.harness.data.ruler import UNSEEN_TASKS
+from kvsieve.harness.data.sample import TaskSample
+from kvsieve.harness.data.suites import task_samples
+from kvsieve.harness.eval.analysis import recall_by_depth
+from kvsieve.harness.eval.contenders import parse_contenders
+from kvsieve.harness.eval.sweep import run_sweep, sample_key
+from kvsieve.harness.progress import progress_bar
+from kvsieve.harness.report import markdown_table, plot_recall_by_depth
+from kvsieve.harness.runners import LocalRunner
+from results_io import RESULTS, Output
+
+RAW = Path(__file__).parent.parent / "results" / "needle_depth"
+THIRDS = ("first", "middle", "last")
+POLICIES = "trimkv+global;trimkv;trimkv+global:horizon=inf;kvzip+global"
+#: The rate whose evidence recall per layer the figure draws.
+FIGURE_RATE = 0.75
+
+
+def third(sample: TaskSample) -> str:
+    """Which third of the context the asked needle starts in."""
+    depth = min(start for start, _ in sample.evidence) / len(sample.context)
+    return THIRDS[min(int(depth * 3), 2)]
+
+
+def by_third(rows: pd.DataFrame, thirds: dict[str, str], policies: list[str]) -> list[dict]:
+    """Per policy (in the order given), rate and third: samples, answered, the full cache's answered, mean recall
+    and GER."""
+    rows = rows.assign(third=rows["sample"].map(thirds))
+    full = rows[rows["policy"] == "full"].set_index("sample")["correct"]
+    evicted = rows[rows["policy"] != "full"]
+    evicted = evicted.assign(full_correct=evicted["sample"].map(full).astype(bool))
+    table = evicted.groupby(["policy", "rate", "third"], sort=False).agg(
+        samples=("correct", "size"),
+        answered=("correct", "sum"),
+        full=("full_correct", "sum"),
+        recall=("recall_mean", "mean"),
+        ger=("ger_layer", "mean"),
+    )
+    table = table.reset_index()
+    table = table.sort_values(["policy", "rate"], key=lambda c: c.map(policies.index) if c.name == "policy" else c)
+    return table.to_dict("records")
+
+
+def markdown(report: dict) -> str:
+    """Answered (full cache), evidence recall and GER per policy and rate, one column per third, and the total."""
+    cells: dict[tuple[str, float], dict[str, str]] = {}
+    totals: dict[tuple[str, float], list[int]] = {}
+    counts = {}
+    for row in report["rows"]:
+        key = (row["policy"], row["rate"])
+        cells.setdefault(key, {})[row["third"]] = (
+            f"{row['answered']} ({row['full']}); {row['recall']:.2f}; {row['ger']:.2f}"
+        )
+        total = totals.setdefault(key, [0, 0])
+        total[0], total[1] = total[0] + row["answered"], total[1] + row["full"]
+        counts[row["third"]] = row["samples"]
+    header = ["policy", "eviction", *(f"{name} third ({counts.get(name, 0)} needles)" for name in THIRDS)]
+    header.append(f"answered, all {sum(counts.values())}")
+    body = [
+        [policy, f"{rate:.0%}", *(by.get(name, "") for name in THIRDS), "{} ({})".format(*totals[policy, rate])]
+        for (policy, rate), by in cells.items()
+    ]
+    note = (
+        f"\nNeedles answered (the full cache's in brackets); evidence recall; GER. Unseen formats "
+        f"({', '.join(report['tasks'])}), {report['samples']} samples a task at {report['length']} tokens, "
+        "question-agnostic.\n"
+    )
+    return markdown_table(header, body) + note
+
+
+TABLE = Output("needle_depth", {"": markdown}, extras=(".png",))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--policies", default=POLICIES, help="semicolon-separated kvsieve specs")
+    parser.add_argument("--rates", default="0.5,0.75,0.9")
+    parser.add_argument("--samples", type=int, default=30)
+    parser.add_argument("--length", type=int, default=1536)
+    args = parser.parse_args()
+    policies = [spec for spec in args.policies.split(";") if spec]
+    rates = [float(rate) for rate in args.rates.split(",")]
+    model, tokenizer = load_model()
+    samples = task_samples(list(UNSEEN_TASKS), tokenizer, length=args.length, n=args.samples, seed=0)
+    RAW.mkdir(parents=True, exist_ok=True)
+    with progress_bar("needles by depth") as progress:
+        rows = run_sweep(
+            LocalRunner(model, tokenizer), samples, policies, rates, results=RAW / "results.jsonl", progress=progress
+        )
+    thirds = {sample_key(sample): third(sample) for sample in samples}
+    names = [contender.name for contender in parse_contenders(policies)]
+    rows = rows[rows["sample"].isin(thirds) & rows["policy"].isin(names)]
+    rows = rows[(rows["policy"] == "full") | rows["rate"].isin(rates)]
+    report = {"tasks": list(UNSEEN_TASKS), "samples": args.samples, "length": args.length, "rates": rates}
+    report["rows"] = by_third(rows, thirds, names)
+    layers = recall_by_depth(rows[(rows["policy"] != "full") & (rows["rate"] == FIGURE_RATE)], by=("policy", "rate"))
+    report["recall_by_layer"] = layers.to_dict("records")
+    title = f"evidence recall per layer at {FIGURE_RATE:.0%}: {len(samples)} unseen-format needles"
+    plot_recall_by_depth(layers, RESULTS / "needle_depth.png", title=title)
+    Console().print(markdown(report))
+    print(f"wrote {TABLE.write(report)}")
+
+
+if __name__ == "__main__":
+    main()
