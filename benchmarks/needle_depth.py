@@ -11,7 +11,7 @@ The figure (`needle_depth.png`) draws the evidence recall of each layer at 75%, 
 Raw rows go to results/needle_depth/results.jsonl (a rerun resumes; rows of other policies or rates
 there are left out of the tables).
 
-    python benchmarks/needle_depth.py [--policies "trimkv+global;trimkv"] [--rates 0.5,0.75,0.9] [--samples 30]
+    python benchmarks/needle_depth.py [--policies "trimkv+global;kvzip+global"] [--rates 0.5,0.75,0.9] [--samples 30]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from results_io import RESULTS, Output
 
 RAW = Path(__file__).parent.parent / "results" / "needle_depth"
 THIRDS = ("first", "middle", "last")
-POLICIES = "trimkv+global;trimkv;trimkv+global:horizon=inf;kvzip+global"
+POLICIES = "trimkv+global;trimkv;trimkv+global:horizon=inf;kvzip+global;trimkv:horizon=inf"
 #: The rate whose evidence recall per layer the figure draws.
 FIGURE_RATE = 0.75
 
@@ -118,7 +118,7 @@ def main() -> None:
     rows = rows[(rows["policy"] == "full") | rows["rate"].isin(rates)]
     report = {"tasks": list(UNSEEN_TASKS), "samples": args.samples, "length": args.length, "rates": rates}
     report["rows"] = by_third(rows, thirds, names)
-    layers = recall_by_depth(rows[(rows["policy"] != "full") & (rows["rate"] == FIGURE_RATE)], by=("policy", "rate"))
+    layers = recall_by_depth(rows[(rows["policy"] != "full") & (rows["rate"] == FIGURE_RATE)])
     report["recall_by_layer"] = layers.to_dict("records")
     title = f"evidence recall per layer at {FIGURE_RATE:.0%}: {len(samples)} unseen-format needles"
     plot_recall_by_depth(layers, RESULTS / "needle_depth.png", title=title)
