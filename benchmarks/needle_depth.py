@@ -36,7 +36,10 @@ from results_io import RESULTS, Output
 
 RAW = Path(__file__).parent.parent / "results" / "needle_depth"
 THIRDS = ("first", "middle", "last")
-POLICIES = "trimkv+global;trimkv;trimkv+global:horizon=inf;kvzip+global;trimkv:horizon=inf"
+POLICIES = (
+    "trimkv+global;trimkv;trimkv+global:horizon=inf;kvzip+global;trimkv:horizon=inf;trimkv+adaptive;"
+    "trimkv+adaptive:horizon=inf"
+)
 #: The rate whose evidence recall per layer the figure draws.
 FIGURE_RATE = 0.75
 

@@ -166,7 +166,7 @@ def plot_hallucination_vs_ger(points: pd.DataFrame, r: float, path: str | Path, 
 
 
 def _plot_by_layer(table: pd.DataFrame, value: str, ylabel: str, title: str, path: str | Path) -> Path:
-    """`table[value]` vs layer index, a line per (policy, rate); darker = higher rate."""
+    """`table[value]` vs layer index, a line per (policy, rate); darker = higher rate (one rate: a hue per policy)."""
     fig, ax = _figure(figsize=(7.5, 4.5), dpi=120)
     policies = list(dict.fromkeys(table["policy"]))
     maps = ["Blues", "Oranges", "Greens", "Reds", "Purples", "Greys", "YlOrBr", "PuRd", "BuGn", "GnBu"]
@@ -178,7 +178,8 @@ def _plot_by_layer(table: pd.DataFrame, value: str, ylabel: str, title: str, pat
         for j, rate in enumerate(rates):
             curve = rows[rows["rate"] == rate].sort_values("layer")
             shade = 0.45 + 0.5 * (j / max(1, len(rates) - 1))
-            ax.plot(curve["layer"], curve[value], marker=".", color=cmap(shade), label=f"{policy} @ {100 * rate:.0f}%")
+            color = cmap(shade) if len(rates) > 1 else colormaps["tab10"](i % 10)
+            ax.plot(curve["layer"], curve[value], marker=".", color=color, label=f"{policy} @ {100 * rate:.0f}%")
             lines += 1
     ax.set_xlabel("layer")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
