@@ -145,13 +145,12 @@ def layer_means(df: pd.DataFrame, column: str, name: str, by: Sequence[str] = ("
     _require(df, [*by, column], f"layer_means of {column}")
     out = []
     for key, rows in df.groupby(list(by), sort=True):
-        key = key if isinstance(key, tuple) else (key,)
+        group = dict(zip(by, key if isinstance(key, tuple) else (key,), strict=True))
         lists = [list(v) for v in rows[column] if v is not None and len(v)]
         if not lists:
             continue
         lengths = {len(v) for v in lists}
         if len(lengths) != 1:
-            group = dict(zip(by, key, strict=True))
             raise ValueError(f"{column} has different lengths {sorted(lengths)} within {group}")
         values = np.asarray(lists, dtype=float)
         finite = np.isfinite(values)
@@ -159,7 +158,7 @@ def layer_means(df: pd.DataFrame, column: str, name: str, by: Sequence[str] = ("
         counts = finite.sum(axis=0)
         means = np.divide(sums, counts, out=np.full(sums.shape, np.nan), where=counts > 0)
         for layer, value in enumerate(means):
-            out.append({**dict(zip(by, key, strict=True)), "layer": layer, name: float(value), "n": len(lists)})
+            out.append({**group, "layer": layer, name: float(value), "n": len(lists)})
     return pd.DataFrame(out, columns=[*by, "layer", name, "n"])
 
 
