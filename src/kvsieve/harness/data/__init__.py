@@ -1,6 +1,6 @@
 """Offline corpora and task generators."""
 
-from .essays import essay_split, essay_texts, long_context, sample_documents
+from .essays import document_windows, essay_split, essay_texts, long_context, sample_documents, validation_documents
 from .routing import ROUTING_FAMILIES, routing_samples
 from .ruler import RULER_TASKS, ruler_samples
 from .sample import EncodedSample, TaskSample, encode
@@ -12,6 +12,7 @@ __all__ = [
     "SUITES",
     "EncodedSample",
     "TaskSample",
+    "document_windows",
     "encode",
     "essay_split",
     "essay_texts",
@@ -21,4 +22,5 @@ __all__ = [
     "ruler_samples",
     "sample_documents",
     "task_samples",
+    "validation_documents",
 ]

@@ -63,6 +63,33 @@ def sample_documents(
     return long_enough[:n_docs]
 
 
+def document_windows(tokenizer: PreTrainedTokenizerBase, texts: list[str], seq_len: int) -> list[torch.Tensor]:
+    """Non-overlapping `seq_len`-token windows of each text, each starting as the text does (BOS kept)."""
+    windows = []
+    for text in texts:
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        head = ids[:, :1] if ids[0, 0] == tokenizer.bos_token_id else ids[:, :0]
+        body = ids[:, head.shape[1] :]
+        step = seq_len - head.shape[1]
+        windows += [torch.cat([head, body[:, s : s + step]], dim=1) for s in range(0, body.shape[1] - step + 1, step)]
+    return windows
+
+
+def validation_documents(tokenizer: PreTrainedTokenizerBase, n_tokens: int) -> list[tuple[str, torch.Tensor]]:
+    """The held-back essays' `n_tokens`-token windows after each one's first, named `<essay>@<k>` (window k).
+
+    Text of the training genre that no training set reads, and apart from the windows `sample_documents` cuts
+    (every essay's first `n_tokens`), on which learned policies' perplexity is reported: what to choose between
+    gates by, so that the reported numbers are not those the choice was made on.
+    """
+    _, heldout = essay_split()
+    documents = []
+    for name, text in essay_texts(heldout).items():
+        windows = document_windows(tokenizer, [text], n_tokens)
+        documents += [(f"{name}@{k}", ids) for k, ids in enumerate(windows) if k > 0]
+    return documents
+
+
 def long_context(tokenizer: PreTrainedTokenizerBase, n_tokens: int) -> torch.Tensor:
     """`[1, n_tokens]` ids of the essays concatenated in name order (for contexts longer than one essay)."""
     text = "\n\n".join(essay_texts().values())

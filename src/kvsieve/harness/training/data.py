@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ..data import encode, essay_split, essay_texts, task_samples
+from ..data import document_windows, encode, essay_split, essay_texts, task_samples
 from ..data.suites import SUITES, resolve_tasks
 from .corpus import CorpusError, QARecord, read_corpus
 
@@ -61,18 +61,6 @@ class TrainingData:
 def essay_windows(tokenizer: PreTrainedTokenizerBase, names: list[str], seq_len: int) -> list[torch.Tensor]:
     """Non-overlapping `seq_len`-token windows of each named essay, each starting as the essay does (BOS kept)."""
     return document_windows(tokenizer, list(essay_texts(names).values()), seq_len)
-
-
-def document_windows(tokenizer: PreTrainedTokenizerBase, texts: list[str], seq_len: int) -> list[torch.Tensor]:
-    """Non-overlapping `seq_len`-token windows of each text, each starting as the text does (BOS kept)."""
-    windows = []
-    for text in texts:
-        ids = tokenizer(text, return_tensors="pt").input_ids
-        head = ids[:, :1] if ids[0, 0] == tokenizer.bos_token_id else ids[:, :0]
-        body = ids[:, head.shape[1] :]
-        step = seq_len - head.shape[1]
-        windows += [torch.cat([head, body[:, s : s + step]], dim=1) for s in range(0, body.shape[1] - step + 1, step)]
-    return windows
 
 
 def task_sequences(
