@@ -1,9 +1,9 @@
 """Which of several gates trained alike to ship, chosen on validation data that no reported number reads.
 
 Candidates (`--candidates`: variants and ensembles of benchmarks/gate_ablation.py, trained or resumed under the
-same gates home): by default the recipe of the default model's shipped gates (`capacity 32 varied`, seed 0) from
-seeds 0-8, and the ensembles of seeds 0-4 and 0-8. Each is judged as ``trimkv+global``, question-agnostic, at
-75% and 90% eviction, on:
+same gates home): by default the recipe of the model's shipped gates from several seeds and their ensembles
+(the default model's `capacity 32 varied` from seeds 0-8 and ensembles of 0-4 and 0-8; Gemma-3-270M's from
+seeds 0-4 and their ensemble). Each is judged as ``trimkv+global``, question-agnostic, at 75% and 90% eviction, on:
 
 - needles of the training formats, fresh samples: RULER's two ablation tasks and the six ``varied`` formats,
   `--samples` each at `--length` tokens, drawn with seed 11 (training draws its own far away; the ablation's
@@ -16,8 +16,9 @@ The pick: the candidate that answers the most of these needles over both rates, 
 validation perplexity at 90%. The news bulletins and the unseen formats (the ablation's held-back data) are
 never read here, so the ablation's rows of the pick stay a fair test of it.
 
-Raw needle rows go to results/gate_selection/results.jsonl (a rerun resumes); the table to
-benchmarks/results/gate_selection.json (another `--model`, `--samples` or `--length` adds it to the name).
+Raw needle rows go to results/gate_selection/gate_selection.jsonl (a rerun resumes); the table to
+benchmarks/results/gate_selection.json (another `--model`, `--samples` or `--length` adds it to the name, and so
+does a `--gates-home`, by its folder's name: gate_selection_cpu.json).
 
     python benchmarks/gate_selection.py [--candidates "capacity 32 varied,capacity 32 varied seed 4"] [--samples 15]
 """
@@ -37,6 +38,7 @@ from kvsieve.harness.data.ruler import VARIED_TASKS
 from kvsieve.harness.eval import run_ppl
 from kvsieve.harness.eval.stats import bootstrap_mean_ci, pooled_delta_pct
 from kvsieve.harness.eval.sweep import run_sweep
+from kvsieve.harness.gemma import GEMMA_MODEL
 from kvsieve.harness.models import DEFAULT_MODEL, ModelChoice, cache_home
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table
@@ -49,11 +51,15 @@ GROUPS = {"RULER's format": ("niah_single_2", "niah_multikey_1"), "varied format
 TASKS = [task for group in GROUPS.values() for task in group]
 #: Validation needles are drawn with this seed; every reported needle row uses seed 0.
 SAMPLE_SEED = 11
-CANDIDATES = (
-    "capacity 32 varied",
-    *(f"capacity 32 varied seed {seed}" for seed in range(1, 9)),
-    *(name for name in ENSEMBLES if name.startswith("ensemble capacity 32 varied")),
-)
+#: Per model, the candidates by default: the recipe of its shipped gates from several seeds, and their ensembles.
+CANDIDATES = {
+    DEFAULT_MODEL: (
+        "capacity 32 varied",
+        *(f"capacity 32 varied seed {seed}" for seed in range(1, 9)),
+        *(name for name in ENSEMBLES if name.startswith("ensemble capacity 32 varied")),
+    ),
+    GEMMA_MODEL: ("capacity 128", *(f"seed {seed}" for seed in range(1, 5)), "ensemble seeds 0-4"),
+}
 RAW = Path(__file__).parent.parent / "results" / "gate_selection"
 SETTING_DEFAULTS = {"samples": 15, "length": 1536}
 PPL_TOKENS = 1024 + 512 + 1
@@ -150,19 +156,20 @@ TABLE = Output("gate_selection*", {"": markdown})
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--candidates", default=",".join(CANDIDATES), help="comma-separated, of: " + ", ".join(NAMES))
+    parser.add_argument("--candidates", help="comma-separated, of: " + ", ".join(NAMES) + " (default: the model's)")
     for name, value in SETTING_DEFAULTS.items():
         parser.add_argument(f"--{name}", type=int, default=value)
     parser.add_argument("--model", default=DEFAULT_MODEL, choices=list(RECIPES))
     parser.add_argument("--gates-home", type=Path, help="where candidates train (default: the cache's gates/ablation)")
     args = parser.parse_args()
-    candidates = list(filter(None, args.candidates.split(",")))
+    candidates = CANDIDATES[args.model] if args.candidates is None else list(filter(None, args.candidates.split(",")))
     unknown = set(candidates) - set(NAMES)
     if unknown or not candidates:
         parser.error(f"unknown or no candidates {sorted(unknown)}; choose from {', '.join(NAMES)}")
     default = args.model == DEFAULT_MODEL
     stem = "gate_selection" + ("" if default else f"_{args.model.replace('-', '_')}")
     stem += "".join(f"_{k}{getattr(args, k)}" for k, value in SETTING_DEFAULTS.items() if getattr(args, k) != value)
+    stem += f"_{args.gates_home.name}" if args.gates_home else ""
     home = args.gates_home or cache_home() / "gates" / "ablation" / ("" if default else args.model)
     model, tokenizer = ModelChoice(None if default else args.model).load()
     for name in candidates:
