@@ -121,10 +121,15 @@ BASE_GATES = {DEFAULT_MODEL: "smollm2-135m-capacity128", GEMMA_MODEL: "gemma3-27
 SHIPPED_GATES = {DEFAULT_MODEL: "smollm2-135m", GEMMA_MODEL: "gemma3-270m"}
 
 
+def variant_gates(name: str, home: Path, model_name: str) -> Path | str:
+    """Where a variant's gates are: its folder under `home`, or the shipped checkpoint's name (not retrained)."""
+    trained = name not in VARIANTS or VARIANTS[name] is not None
+    return home / _folder(name) if trained else BASE_GATES[model_name]
+
+
 def variant_policy(name: str, home: Path, model_name: str) -> str:
     """The policy string that runs a variant's gates under one global budget."""
-    trained = name not in VARIANTS or VARIANTS[name] is not None
-    return f"trimkv+global:gates={home / _folder(name) if trained else BASE_GATES[model_name]}"
+    return f"trimkv+global:gates={variant_gates(name, home, model_name)}"
 
 
 def _folder(name: str) -> str:

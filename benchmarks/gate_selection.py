@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 from rich.console import Console
 
-from gate_ablation import ENSEMBLES, NAMES, RECIPES, train_variant, variant_policy
+from gate_ablation import ENSEMBLES, NAMES, RECIPES, train_variant, variant_gates, variant_policy
 from kvsieve.harness.data import task_samples, validation_documents
 from kvsieve.harness.data.ruler import VARIED_TASKS
 from kvsieve.harness.eval import run_ppl
@@ -43,7 +43,7 @@ from kvsieve.harness.models import DEFAULT_MODEL, ModelChoice, cache_home
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table
 from kvsieve.harness.runners import LocalRunner
-from kvsieve.selection.checkpoint import read_gates
+from kvsieve.selection.checkpoint import read_gates, resolve_gates
 from results_io import Output
 
 RATES = [0.75, 0.9]
@@ -66,7 +66,7 @@ PPL_TOKENS = 1024 + 512 + 1
 
 
 def measure(model, tokenizer, policies: dict[str, str], args: argparse.Namespace, raw: Path) -> tuple[dict, dict]:
-    """Per candidate (label -> policy): validation perplexity (per window, by rate) and needle rows; the full
+    """Per candidate (name -> policy): validation perplexity (per window, by rate) and needle rows; the full
     cache's beside."""
     runner = LocalRunner(model, tokenizer)
     documents = validation_documents(tokenizer, PPL_TOKENS)
@@ -81,15 +81,15 @@ def measure(model, tokenizer, policies: dict[str, str], args: argparse.Namespace
     full = {"nll": ppl.nll_full, "tokens": ppl.tokens.tolist(), "documents": [name for name, _ in documents]}
     full["needles"] = rows[rows["policy"] == "full"].to_dict("records")
     measured = {}
-    for label, policy in policies.items():
+    for name, policy in policies.items():
         nll = {str(rate): ppl.nll[(policy, rate)] for rate in RATES}
         mine = rows[(rows["policy"] == policy) & rows["rate"].isin(RATES)]
-        width = read_gates(policy.split("gates=", 1)[1])[0].shape.width
-        measured[label] = {"policy": policy, "width": width, "nll": nll, "needles": mine.to_dict("records")}
+        measured[name] = {"policy": policy, "nll": nll, "needles": mine.to_dict("records")}
     return measured, full
 
 
 def answered(needles: list[dict]) -> int:
+    """How many of these needle rows were answered."""
     return int(pd.DataFrame(needles)["correct"].sum())
 
 
@@ -108,12 +108,8 @@ def _counts(needles: list[dict]) -> list[str]:
     """Answered per group, as `a / b` over the rates."""
     rows = pd.DataFrame(needles)
     rows = rows[rows["rate"] > 0]
-    cells = []
-    for tasks in GROUPS.values():
-        cells.append(
-            " / ".join(str(int(s.sum())) for _, s in rows[rows["task"].isin(tasks)].groupby("rate")["correct"])
-        )
-    return cells
+    by_rate = (rows[rows["task"].isin(tasks)].groupby("rate")["correct"] for tasks in GROUPS.values())
+    return [" / ".join(str(int(s.sum())) for _, s in group) for group in by_rate]
 
 
 def _against(ours: list[dict], theirs: list[dict]) -> str:
@@ -134,11 +130,10 @@ def markdown(report: dict) -> str:
     body = []
     for label, result in report["candidates"].items():
         ppl = " / ".join(f"{pooled_delta_pct(np.array(v), full_nll, tokens):+.2f}%" for v in result["nll"].values())
-        against = (
-            "the pick" if label == chosen else _against(result["needles"], report["candidates"][chosen]["needles"])
-        )
-        body.append([label, str(result["width"]), *_counts(result["needles"]), str(answered(result["needles"])), ppl])
-        body[-1].append(against)
+        pick_needles = report["candidates"][chosen]["needles"]
+        against = "the pick" if label == chosen else _against(result["needles"], pick_needles)
+        counts = [*_counts(result["needles"]), str(answered(result["needles"]))]
+        body.append([label, str(result["width"]), *counts, ppl, against])
     full = pd.DataFrame(report["full"]["needles"])
     per_group = " and ".join(
         f"{int(full[full['task'].isin(tasks)]['correct'].sum())} of {report['samples'] * len(tasks)} in {group}"
@@ -176,6 +171,8 @@ def main() -> None:
         train_variant(model, tokenizer, name, home, args.model)
     policies = {name: variant_policy(name, home, args.model) for name in candidates}
     measured, full = measure(model, tokenizer, policies, args, RAW / f"{stem}.jsonl")
+    for name, result in measured.items():
+        result["width"] = read_gates(resolve_gates(variant_gates(name, home, args.model)))[0].shape.width
     report = {key: getattr(args, key) for key in SETTING_DEFAULTS} | {"rates": RATES, "sample_seed": SAMPLE_SEED}
     report |= {"full": full, "candidates": measured}
     path = TABLE.write(report, stem)
