@@ -74,13 +74,20 @@ def test_shipped_gates_load_and_compress_the_default_model(default_model):
     from kvsieve.selection.checkpoint import load_gates, read_gates, shipped_checkpoints, shipped_gates_for
 
     model, tokenizer = default_model
-    names = ["gemma3-270m", "smollm2-135m", "smollm2-135m-capacity128", "smollm2-135m-capacity32"]
+    names = [
+        "gemma3-270m",
+        "smollm2-135m",
+        "smollm2-135m-capacity128",
+        "smollm2-135m-capacity32",
+        "smollm2-135m-ensemble5",
+    ]
     assert [folder.name for folder in shipped_checkpoints()] == names
     record = read_gates(shipped_gates_for(model))[1]
     assert (record.capacity, record.data["config"]["tasks"]) == (32, "ruler,routing,varied"), "issue 39's default"
     gates = load_gates("default", model)
-    for name in names[2:]:  # the gates they replaced, by name
+    for name in names[2:4]:  # the gates they replaced, by name
         assert not torch.equal(load_gates(name, model).scoring.weight, gates.scoring.weight)
+    assert load_gates("smollm2-135m-ensemble5", model).shape.width == 5 * gates.shape.width, "five seeds side by side"
     assert gates.shape.layers == tuple(range(30)) and (gates.shape.kv_heads, gates.shape.head_dim) == (3, 64)
     _, ids = sample_documents(tokenizer, 1, 400, seed=2)[0]
     full = kvsieve.observe_prefill(model, ids[:, :-1]).cache.nbytes()
