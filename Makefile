@@ -100,8 +100,9 @@ gemma: setup
 # Capacity 32, needles written more ways (the varied suite), read 128 tokens ahead (issue 39's ablation,
 # docs/benchmarks.md); the gates shipped before them ship as `smollm2-135m-capacity32` (the same without the varied
 # suite) and `smollm2-135m-capacity128` (kvsieve 0.1's trainer).
+DEFAULT_RECIPE := --model default --capacity 32 --tasks ruler,routing,varied
 gates: setup
-	$(VENV)/bin/kvsieve train-gates --model default --capacity 32 --tasks ruler,routing,varied --horizon 128 --out src/kvsieve/selection/checkpoints/smollm2-135m
+	$(VENV)/bin/kvsieve train-gates $(DEFAULT_RECIPE) --horizon 128 --out src/kvsieve/selection/checkpoints/smollm2-135m
 
 # The ensemble of the default recipe's seeds 0-4, the gates chosen on validation data (benchmarks/gate_selection.py):
 # seed 0 is `make gates`'s checkpoint; seeds 1-4 train into GATES_WORK (about 17 min each on 2 CPU cores, resumable),
@@ -109,7 +110,7 @@ gates: setup
 GATES_WORK ?= $(HOME)/.cache/kvsieve/gates/recipe
 ENSEMBLE_SEEDS := 1 2 3 4
 gates-ensemble: setup
-	$(foreach seed,$(ENSEMBLE_SEEDS),$(VENV)/bin/kvsieve train-gates --model default --capacity 32 --tasks ruler,routing,varied --seed $(seed) --out $(GATES_WORK)/seed-$(seed) &&) true
+	$(foreach seed,$(ENSEMBLE_SEEDS),$(VENV)/bin/kvsieve train-gates $(DEFAULT_RECIPE) --seed $(seed) --out $(GATES_WORK)/seed-$(seed) &&) true
 	$(VENV)/bin/kvsieve ensemble-gates src/kvsieve/selection/checkpoints/smollm2-135m $(foreach seed,$(ENSEMBLE_SEEDS),$(GATES_WORK)/seed-$(seed)) --horizon 128 --out src/kvsieve/selection/checkpoints/smollm2-135m-ensemble5
 
 # Retrain the shipped Gemma-3-270M gates (about 30 min on 2 CPU cores; needs `make gemma`): a prompt compressed once
