@@ -127,10 +127,9 @@ def markdown(report: dict) -> str:
     rates = " / ".join(f"{r:.0%}" for r in RATES)
     header = ["candidate", "hidden units a head", *(f"needles, {g}, at {rates}" for g in GROUPS), "all needles"]
     header += [f"PPL change at {rates}", "needles more answered than the pick [95% CI]"]
-    body = []
+    body, pick_needles = [], report["candidates"][chosen]["needles"]
     for label, result in report["candidates"].items():
         ppl = " / ".join(f"{pooled_delta_pct(np.array(v), full_nll, tokens):+.2f}%" for v in result["nll"].values())
-        pick_needles = report["candidates"][chosen]["needles"]
         against = "the pick" if label == chosen else _against(result["needles"], pick_needles)
         counts = [*_counts(result["needles"]), str(answered(result["needles"]))]
         body.append([label, str(result["width"]), *counts, ppl, against])
