@@ -114,8 +114,9 @@ BASELINE = "kvzip+global"
 #: Per model: what its base recipe changes from `TrainConfig`'s defaults, and the rivals it is judged by.
 RECIPES: dict[str, dict] = {DEFAULT_MODEL: {}, GEMMA_MODEL: {"steps": 240}}
 RIVALS = {DEFAULT_MODEL: [BASELINE], GEMMA_MODEL: [BASELINE, "expected", "vatp+global"]}
-#: Per model: the shipped checkpoint trained by the base recipe (the default model's default gates are `capacity 32
-#: varied`'s; `capacity 32`'s ship as smollm2-135m-capacity32).
+#: Per model: the shipped checkpoint trained by the base recipe (the default model's default gates are `ensemble
+#: capacity 32 varied seeds 0-4`'s; `capacity 32 varied`'s and `capacity 32`'s ship as smollm2-135m-capacity32-varied
+#: and smollm2-135m-capacity32).
 BASE_GATES = {DEFAULT_MODEL: "smollm2-135m-capacity128", GEMMA_MODEL: "gemma3-270m"}
 #: Per model: the shipped default gates, whose horizons an ensemble records.
 SHIPPED_GATES = {DEFAULT_MODEL: "smollm2-135m", GEMMA_MODEL: "gemma3-270m"}

@@ -79,15 +79,18 @@ def test_shipped_gates_load_and_compress_the_default_model(default_model):
         "smollm2-135m",
         "smollm2-135m-capacity128",
         "smollm2-135m-capacity32",
-        "smollm2-135m-ensemble5",
+        "smollm2-135m-capacity32-varied",
     ]
     assert [folder.name for folder in shipped_checkpoints()] == names
     record = read_gates(shipped_gates_for(model))[1]
-    assert (record.capacity, record.data["config"]["tasks"]) == (32, "ruler,routing,varied"), "issue 39's default"
+    members = [member["train"] for member in record.data["ensemble"]]
+    recipe = {(m["capacity"], m["data"]["config"]["tasks"]) for m in members}
+    assert recipe == {(32, "ruler,routing,varied")} and [m["seed"] for m in members] == [0, 1, 2, 3, 4], "issue 39"
     gates = load_gates("default", model)
-    for name in names[2:4]:  # the gates they replaced, by name
-        assert not torch.equal(load_gates(name, model).scoring.weight, gates.scoring.weight)
-    assert load_gates("smollm2-135m-ensemble5", model).shape.width == 5 * gates.shape.width, "five seeds side by side"
+    seed0 = load_gates("smollm2-135m-capacity32-varied", model)
+    assert gates.shape.width == 5 * seed0.shape.width, "the default: five seeds of one recipe side by side"
+    for name in names[2:]:  # the gates it replaced, by name
+        assert load_gates(name, model).shape.width != gates.shape.width
     assert gates.shape.layers == tuple(range(30)) and (gates.shape.kv_heads, gates.shape.head_dim) == (3, 64)
     _, ids = sample_documents(tokenizer, 1, 400, seed=2)[0]
     full = kvsieve.observe_prefill(model, ids[:, :-1]).cache.nbytes()
