@@ -3,7 +3,9 @@
 Candidates (`--candidates`: variants and ensembles of benchmarks/gate_ablation.py, trained or resumed under the
 same gates home): by default the recipe of the model's shipped gates from several seeds and their ensembles
 (the default model's `capacity 32 varied` from seeds 0-8 and ensembles of 0-4 and 0-8; Gemma-3-270M's from
-seeds 0-4 and their ensemble). Each is judged as ``trimkv+global``, question-agnostic, at 75% and 90% eviction, on:
+seeds 0-4 and their ensemble). Each is judged as ``trimkv+global``, question-agnostic, at 75% and 90% eviction, read
+at the horizon of the model's shipped gates wherever it was trained (a seed trained by the scripts records the next
+step, one trained by `train-gates --horizon H` records H), on:
 
 - needles of the training formats, fresh samples: RULER's two ablation tasks and the six ``varied`` formats,
   `--samples` each at `--length` tokens, drawn with seed 11 (training draws its own far away; the ablation's
@@ -32,7 +34,7 @@ import numpy as np
 import pandas as pd
 from rich.console import Console
 
-from gate_ablation import ENSEMBLES, NAMES, RECIPES, train_variant, variant_gates, variant_policy
+from gate_ablation import ENSEMBLES, NAMES, RECIPES, SHIPPED_GATES, train_variant, variant_gates, variant_policy
 from kvsieve.harness.data import task_samples, validation_documents
 from kvsieve.harness.data.ruler import VARIED_TASKS
 from kvsieve.harness.eval import run_ppl
@@ -63,6 +65,12 @@ CANDIDATES = {
 RAW = Path(__file__).parent.parent / "results" / "gate_selection"
 SETTING_DEFAULTS = {"samples": 15, "length": 1536}
 PPL_TOKENS = 1024 + 512 + 1
+
+
+def candidate_policy(name: str, home: Path, model_name: str) -> str:
+    """A candidate's policy string, read at the horizon the model's shipped gates record for one compression."""
+    once = read_gates(resolve_gates(SHIPPED_GATES[model_name]))[0].horizons.once
+    return f"{variant_policy(name, home, model_name)},horizon={once:g}"
 
 
 def measure(model, tokenizer, policies: dict[str, str], args: argparse.Namespace, raw: Path) -> tuple[dict, dict]:
@@ -168,7 +176,7 @@ def main() -> None:
     model, tokenizer = ModelChoice(None if default else args.model).load()
     for name in candidates:
         train_variant(model, tokenizer, name, home, args.model)
-    policies = {name: variant_policy(name, home, args.model) for name in candidates}
+    policies = {name: candidate_policy(name, home, args.model) for name in candidates}
     measured, full = measure(model, tokenizer, policies, args, RAW / f"{stem}.jsonl")
     for name, result in measured.items():
         result["width"] = read_gates(resolve_gates(variant_gates(name, home, args.model)))[0].shape.width
