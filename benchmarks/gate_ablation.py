@@ -49,6 +49,7 @@ from kvsieve.harness.runners import LocalRunner
 from kvsieve.harness.training.ensemble import ensemble_gates
 from kvsieve.harness.training.soup import average_gates
 from kvsieve.harness.training.train import STATE_FILE, TrainConfig, train_gates
+from kvsieve.modeling.gates import Horizons
 from kvsieve.selection.checkpoint import CONFIG_FILE, TrainRecord, read_gates, resolve_gates
 from results_io import RESULTS, Output
 
@@ -165,11 +166,15 @@ def _combine(model, tokenizer, name: str, home: Path, model_name: str) -> dict:
     if kind == "soup":
         combined = average_gates(folders, None, home / _folder(name))
     else:
-        horizons = read_gates(resolve_gates(SHIPPED_GATES[model_name]))[0].horizons
-        combined = ensemble_gates(folders, None, home / _folder(name), horizons)
+        combined = ensemble_gates(folders, None, home / _folder(name), shipped_horizons(model_name))
     _, record = read_gates(combined)
     elsewhere = any(part.get("elsewhere") for part in trained)
     return {"seconds": record.seconds, "changes": {kind: list(parts)}} | ({"elsewhere": True} if elsewhere else {})
+
+
+def shipped_horizons(model_name: str) -> Horizons:
+    """The horizons the model's shipped default gates are read at."""
+    return read_gates(resolve_gates(SHIPPED_GATES[model_name]))[0].horizons
 
 
 def _trained_elsewhere(folder: Path, config: TrainConfig) -> TrainRecord | None:

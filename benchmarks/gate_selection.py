@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 from rich.console import Console
 
-from gate_ablation import ENSEMBLES, NAMES, RECIPES, SHIPPED_GATES, train_variant, variant_gates, variant_policy
+from gate_ablation import ENSEMBLES, NAMES, RECIPES, shipped_horizons, train_variant, variant_gates, variant_policy
 from kvsieve.harness.data import task_samples, validation_documents
 from kvsieve.harness.data.ruler import VARIED_TASKS
 from kvsieve.harness.eval import run_ppl
@@ -65,12 +65,6 @@ CANDIDATES = {
 RAW = Path(__file__).parent.parent / "results" / "gate_selection"
 SETTING_DEFAULTS = {"samples": 15, "length": 1536}
 PPL_TOKENS = 1024 + 512 + 1
-
-
-def candidate_policy(name: str, home: Path, model_name: str) -> str:
-    """A candidate's policy string, read at the horizon the model's shipped gates record for one compression."""
-    once = read_gates(resolve_gates(SHIPPED_GATES[model_name]))[0].horizons.once
-    return f"{variant_policy(name, home, model_name)},horizon={once:g}"
 
 
 def measure(model, tokenizer, policies: dict[str, str], args: argparse.Namespace, raw: Path) -> tuple[dict, dict]:
@@ -176,7 +170,8 @@ def main() -> None:
     model, tokenizer = ModelChoice(None if default else args.model).load()
     for name in candidates:
         train_variant(model, tokenizer, name, home, args.model)
-    policies = {name: candidate_policy(name, home, args.model) for name in candidates}
+    once = shipped_horizons(args.model).once  # every candidate read as the shipped gates are, wherever it trained
+    policies = {name: f"{variant_policy(name, home, args.model)},horizon={once:g}" for name in candidates}
     measured, full = measure(model, tokenizer, policies, args, RAW / f"{stem}.jsonl")
     for name, result in measured.items():
         result["width"] = read_gates(resolve_gates(variant_gates(name, home, args.model)))[0].shape.width
