@@ -2,12 +2,13 @@
 
 Trains gates for the default model with `train-gates --target kvzip` (Fast KVzip's target, arXiv
 2601.17668: KVzip's keep decision at the capacity) at capacity 128 (KVzip always keeps 33 entries of a head, so
-the default gates' 32 would leave it nothing to decide) and every other setting as the shipped default gates
-recorded (`make gates`: the varied suite among the task samples, 160 steps of 1,024 tokens, seed 0, read 128
-tokens ahead), then runs both, and their teacher `kvzip+global`, question-agnostic at 50 / 75 / 90 / 95% on
-`--samples` samples of: needles in RULER's format (seen in training: `niah_single_2`, `niah_multikey_1`),
-needles in the two formats no training set uses (`niah_ledger`, `niah_locker`), and the routing families
-`multi_entity` and `hops`.
+the default gates' 32 would leave it nothing to decide) and every other setting as seed 0 of the default gates'
+recipe recorded (`make gates-seed0`: the varied suite among the task samples, 160 steps of 1,024 tokens, read 128
+tokens ahead), then runs them, the default gates (that recipe's five seeds, `make gates`), seed 0 alone (the same
+training but for the target and the capacity) and their teacher `kvzip+global`, question-agnostic at
+50 / 75 / 90 / 95% on `--samples` samples of: needles in RULER's format (seen in training: `niah_single_2`,
+`niah_multikey_1`), needles in the two formats no training set uses (`niah_ledger`, `niah_locker`), and the routing
+families `multi_entity` and `hops`.
 Writes benchmarks/results/kvzip_gates{.json,.md}; the gates go to `--gates` (default:
 ~/.cache/kvsieve/gates/smollm2-135m-kvzip-varied; a rerun resumes there).
 
@@ -38,6 +39,8 @@ RATES = [0.5, 0.75, 0.9, 0.95]
 TAUGHT_CAPACITY = 128
 #: What the JSON keeps of each row.
 COLUMNS = ["sample", "task", "policy", "rate", "kv_bytes", "correct", "gold_logprob"]
+#: Seed 0 of the default gates' recipe: the taught gates' settings but the target and the capacity.
+SEED0 = "smollm2-135m-capacity32-varied"
 GROUPS = {
     "needles, RULER's format (seen)": ("niah_single_2", "niah_multikey_1"),
     "needles, unseen formats": ("niah_ledger", "niah_locker"),
@@ -46,9 +49,9 @@ GROUPS = {
 
 
 def train(model, tokenizer, out: Path) -> dict:
-    """Gates taught by KVzip at `TAUGHT_CAPACITY`, trained (or resumed) in `out` with the shipped default gates' other
-    settings; what the training recorded."""
-    shipped, made = read_gates(resolve_gates(DEFAULT_MODEL))
+    """Gates taught by KVzip at `TAUGHT_CAPACITY`, trained (or resumed) in `out` with `SEED0`'s other settings; what
+    the training recorded."""
+    shipped, made = read_gates(resolve_gates(SEED0))
     settings = made.data["config"] | {"curriculum": tuple(made.data["config"]["curriculum"])}
     config = TrainConfig(**settings | {"target": "kvzip", "capacity": TAUGHT_CAPACITY})
     _, record = train_gates(model, tokenizer, config, out, DEFAULT_MODEL, horizons=shipped.horizons)
@@ -95,7 +98,8 @@ def main() -> None:
     taught = f"trimkv+global:gates={args.gates}"
     labels = {
         "full": "full cache",
-        "trimkv+global": "trimkv+global (shipped gates: the full cache's output)",
+        "trimkv+global": "trimkv+global (default gates: the full cache's output, five seeds)",
+        f"trimkv+global:gates={SEED0}": "trimkv+global (seed 0 of the default gates)",
         taught: "trimkv+global (gates taught by KVzip)",
         "kvzip+global": "kvzip+global (the teacher)",
     }
