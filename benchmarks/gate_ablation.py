@@ -6,8 +6,10 @@ of the training essays and task samples, seed 0; Gemma-3-270M's: 240 steps, as `
 variants' gates (a soup, `kvsieve average-gates`), or averages the logits of gates trained alike from different
 seeds (an ensemble, `kvsieve ensemble-gates`), is trained (or resumed) under `--gates-home` (a finished checkpoint
 already in a variant's folder, made with its settings elsewhere, e.g. `train-gates --device cuda`, is taken as it is,
-its time marked "elsewhere"), and is judged as ``trimkv+global`` beside the full cache and ``kvzip+global`` (5-9
-prefills a prompt; on Gemma-3-270M also the heuristics that beat its base gates, ``expected`` and ``vatp+global``) on:
+its time marked "elsewhere"; so is one kept in the repository, benchmarks/gates/MODEL/FOLDER, copied into an empty
+folder: candidates trained on one machine, kept for runs on the next), and is judged as ``trimkv+global`` beside the
+full cache and ``kvzip+global`` (5-9 prefills a prompt; on Gemma-3-270M also the heuristics that beat its base gates,
+``expected`` and ``vatp+global``) on:
 
 - perplexity (docs/protocols.md: a 1,024-token prefix evicted, the next 512 tokens scored) on news bulletins,
   the held-back genre (`kvsieve.harness.data.news`), pooled, with a paired bootstrap over bulletins;
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -119,6 +122,8 @@ RIVALS = {DEFAULT_MODEL: [BASELINE], GEMMA_MODEL: [BASELINE, "expected", "vatp+g
 #: capacity 32 varied seeds 0-4`'s; `capacity 32 varied`'s and `capacity 32`'s ship as smollm2-135m-capacity32-varied
 #: and smollm2-135m-capacity32).
 BASE_GATES = {DEFAULT_MODEL: "smollm2-135m-capacity128", GEMMA_MODEL: "gemma3-270m"}
+#: Variants' gates kept in the repository, by model and folder: trained on one machine, taken as trained elsewhere.
+KEPT = Path(__file__).parent / "gates"
 #: Per model: the shipped default gates, whose horizons an ensemble records.
 SHIPPED_GATES = {DEFAULT_MODEL: "smollm2-135m", GEMMA_MODEL: "gemma3-270m"}
 
@@ -147,6 +152,9 @@ def train_variant(model, tokenizer, name: str, home: Path, model_name: str) -> d
         return {}
     config = TrainConfig(**RECIPES[model_name] | VARIANTS[name])
     folder = home / _folder(name)
+    kept = KEPT / model_name / folder.name
+    if kept.is_dir() and not folder.exists():
+        shutil.copytree(kept, folder)
     record = _trained_elsewhere(folder, config)
     elsewhere = record is not None
     if record is None:
