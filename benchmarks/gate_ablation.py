@@ -7,9 +7,9 @@ variants' gates (a soup, `kvsieve average-gates`), or averages the logits of gat
 seeds (an ensemble, `kvsieve ensemble-gates`), is trained (or resumed) under `--gates-home` (a finished checkpoint
 already in a variant's folder, made with its settings elsewhere, e.g. `train-gates --device cuda`, is taken as it is,
 its time marked "elsewhere"; so is one kept in the repository, benchmarks/gates/MODEL/FOLDER, copied into an empty
-folder: candidates trained on one machine, kept for runs on the next), and is judged as ``trimkv+global`` beside the
-full cache and ``kvzip+global`` (5-9 prefills a prompt; on Gemma-3-270M also the heuristics that beat its base gates,
-``expected`` and ``vatp+global``) on:
+folder: candidates trained on one machine, kept for runs on the next, or resumed where kept with their state), and
+is judged as ``trimkv+global`` beside the full cache and ``kvzip+global`` (5-9 prefills a prompt; on Gemma-3-270M
+also the heuristics that beat its base gates, ``expected`` and ``vatp+global``) on:
 
 - perplexity (docs/protocols.md: a 1,024-token prefix evicted, the next 512 tokens scored) on news bulletins,
   the held-back genre (`kvsieve.harness.data.news`), pooled, with a paired bootstrap over bulletins;

@@ -51,10 +51,10 @@ GROUPS = {
 def train(model, tokenizer, out: Path) -> dict:
     """Gates taught by KVzip at `TAUGHT_CAPACITY`, trained (or resumed) in `out` with `SEED0`'s other settings; what
     the training recorded."""
-    shipped, made = read_gates(resolve_gates(SEED0))
+    seed0, made = read_gates(resolve_gates(SEED0))
     settings = made.data["config"] | {"curriculum": tuple(made.data["config"]["curriculum"])}
     config = TrainConfig(**settings | {"target": "kvzip", "capacity": TAUGHT_CAPACITY})
-    _, record = train_gates(model, tokenizer, config, out, DEFAULT_MODEL, horizons=shipped.horizons)
+    _, record = train_gates(model, tokenizer, config, out, DEFAULT_MODEL, horizons=seed0.horizons)
     return {
         "seconds": record.seconds,
         "steps": record.steps,
