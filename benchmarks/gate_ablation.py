@@ -121,7 +121,7 @@ RIVALS = {DEFAULT_MODEL: [BASELINE], GEMMA_MODEL: [BASELINE, "expected", "vatp+g
 #: Per model: the shipped checkpoint trained by the base recipe (the default model's default gates are `ensemble
 #: capacity 32 varied seeds 0-4`'s; `capacity 32 varied`'s and `capacity 32`'s ship as smollm2-135m-capacity32-varied
 #: and smollm2-135m-capacity32).
-BASE_GATES = {DEFAULT_MODEL: "smollm2-135m-capacity128", GEMMA_MODEL: "gemma3-270m"}
+BASE_GATES = {DEFAULT_MODEL: "smollm2-135m-capacity128", GEMMA_MODEL: "gemma3-270m-seed0"}
 #: Variants' gates kept in the repository, by model and folder: trained on one machine, taken as trained elsewhere.
 KEPT = Path(__file__).parent / "gates"
 #: Per model: the shipped default gates, whose horizons an ensemble records.

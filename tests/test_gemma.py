@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -75,7 +77,11 @@ def test_shipped_gates_load_and_evict_exactly(gemma, masked_reference):
     assert folder is not None and folder.name == "gemma3-270m", "kvsieve ships gates for Gemma-3-270M"
     _, record = read_gates(folder)
     assert record.architecture == "Gemma3ForCausalLM" and record.seconds <= 40 * 60
-    assert load_gates(DEFAULT_GATES, model).shape.layers == (5, 11, 17)
+    assert (record.seed, record.capacity, record.steps) == (3, 128, 240), "issue 39: the seed validation picked"
+    gates = load_gates(DEFAULT_GATES, model)
+    assert gates.shape.layers == (5, 11, 17) and (gates.horizons.once, gates.horizons.bounded) == (math.inf, 128)
+    replaced = load_gates("gemma3-270m-seed0", model)  # the gates it replaced, by name
+    assert not torch.equal(replaced.state_dict()["scoring.weight"], gates.state_dict()["scoring.weight"])
     ids = long_context(tokenizer, PROMPT + STEPS)
     cache = kvsieve.compress(model, ids[:, :PROMPT], "trimkv+global", rate=0.8)
     stored = [cache.stored_lengths()[layer][0] for layer in cache.full_layers]

@@ -76,6 +76,7 @@ def test_shipped_gates_load_and_compress_the_default_model(default_model):
     model, tokenizer = default_model
     names = [
         "gemma3-270m",
+        "gemma3-270m-seed0",
         "smollm2-135m",
         "smollm2-135m-capacity128",
         "smollm2-135m-capacity32",
@@ -89,7 +90,7 @@ def test_shipped_gates_load_and_compress_the_default_model(default_model):
     gates = load_gates("default", model)
     seed0 = load_gates("smollm2-135m-capacity32-varied", model)
     assert gates.shape.width == 5 * seed0.shape.width, "the default: five seeds of one recipe side by side"
-    for name in names[2:]:  # the gates it replaced, by name
+    for name in names[3:]:  # the gates it replaced, by name
         assert load_gates(name, model).shape.width != gates.shape.width
     assert gates.shape.layers == tuple(range(30)) and (gates.shape.kv_heads, gates.shape.head_dim) == (3, 64)
     _, ids = sample_documents(tokenizer, 1, 400, seed=2)[0]
