@@ -115,6 +115,8 @@ ENSEMBLES: dict[str, tuple[str, ...]] = {
 NAMES = [*VARIANTS, *SOUPS, *ENSEMBLES]
 #: The rival every variant is paired with (the full cache runs beside each policy).
 BASELINE = "kvzip+global"
+#: The variant of the base recipe's shipped gates, which every other variant changes one thing of.
+BASE_VARIANT = "capacity 128"
 #: Per model: what its base recipe changes from `TrainConfig`'s defaults, and the rivals it is judged by.
 RECIPES: dict[str, dict] = {DEFAULT_MODEL: {}, GEMMA_MODEL: {"steps": 240}}
 RIVALS = {DEFAULT_MODEL: [BASELINE], GEMMA_MODEL: [BASELINE, "expected", "vatp+global"]}
@@ -132,6 +134,11 @@ def variant_gates(name: str, home: Path, model_name: str) -> Path | str:
     """Where a variant's gates are: its folder under `home`, or the shipped checkpoint's name (not retrained)."""
     trained = name not in VARIANTS or VARIANTS[name] is not None
     return home / _folder(name) if trained else BASE_GATES[model_name]
+
+
+def variant_label(name: str) -> str:
+    """A variant's row in the tables."""
+    return f"trimkv+global ({name})"
 
 
 def variant_policy(name: str, home: Path, model_name: str) -> str:
@@ -228,10 +235,10 @@ def _needle_counts(needles: list[dict]) -> list[str]:
     return cells
 
 
-def _paired(report: dict, label: str, rate: float) -> list[str]:
-    """`label` against the baseline at `rate`: PPL change between the two, needles more answered; 95% intervals."""
+def _paired(report: dict, label: str, against: str, rate: float) -> list[str]:
+    """`label` against the policy `against` at `rate`: PPL change between the two, needles more answered; 95% CIs."""
     tokens = np.array(report["full"]["tokens"])
-    mine, base = report["policies"][label], report["policies"][BASELINE]
+    mine, base = report["policies"][label], report["policies"][against]
     a, b = np.array(mine["nll"][str(rate)]), np.array(base["nll"][str(rate)])
     lo, hi = bootstrap_delta_ci(a, b, tokens)
     cells = [f"{pooled_delta_pct(a, b, tokens):+.2f}% [{lo:+.2f}, {hi:+.2f}]"]
@@ -278,7 +285,7 @@ def _per_task(report: dict, rate: float) -> str:
 
 def markdown(report: dict) -> str:
     """Every policy at every rate, the needles per task at 90%, every policy against the full cache at 50% and 75%,
-    then (once measured) each variant against the baseline at 90% and 95%, paired."""
+    then (once measured) each policy against the baseline and against the base recipe's gates at 90% and 95%, paired."""
     tokens, full_nll = np.array(report["full"]["tokens"]), np.array(report["full"]["nll"])
     rates = " / ".join(f"{r:.0%}" for r in RATES)
     header = ["policy", f"PPL change at {rates}", *(f"needles, {g}, at {rates}" for g in GROUPS), "training"]
@@ -288,15 +295,25 @@ def markdown(report: dict) -> str:
         ppl = " / ".join(f"{pooled_delta_pct(np.array(v), full_nll, tokens):+.2f}%" for v in result["nll"].values())
         body.append([label, ppl, *_needle_counts(result["needles"]), _training_cell(result.get("training", {}))])
     tables = [markdown_table(header, body), _per_task(report, 0.9), _against_full(report)]
-    for rate in (0.9, 0.95) if BASELINE in report["policies"] else ():
-        paired = [[label, *_paired(report, label, rate)] for label in report["policies"] if label != BASELINE]
+    tables += _paired_tables(report, BASELINE, "paired on the same bulletins and samples")
+    tables += _paired_tables(report, variant_label(BASE_VARIANT), "paired against the base recipe's gates")
+    return "\n\n".join(tables) + "\n"
+
+
+def _paired_tables(report: dict, against: str, caption: str, rates: tuple[float, ...] = (0.9, 0.95)) -> list[str]:
+    """Every other policy paired against the policy `against` at each rate; none when `against` was not measured."""
+    if against not in report["policies"]:
+        return []
+    tables = []
+    for rate in rates:
+        paired = [[label, *_paired(report, label, against, rate)] for label in report["policies"] if label != against]
         columns = [
             "policy",
-            f"PPL vs {BASELINE} [95% CI]",
-            *(f"needles, {g}: more answered than {BASELINE}" for g in GROUPS),
+            f"PPL vs {against} [95% CI]",
+            *(f"needles, {g}: more answered than {against}" for g in GROUPS),
         ]
-        tables.append(f"At {rate:.0%}, paired on the same bulletins and samples:\n\n" + markdown_table(columns, paired))
-    return "\n\n".join(tables) + "\n"
+        tables.append(f"At {rate:.0%}, {caption}:\n\n" + markdown_table(columns, paired))
+    return tables
 
 
 TABLE = Output("gate_ablation*", {"": markdown})
@@ -334,7 +351,7 @@ def main() -> None:
     if {k: report.get(k) for k in setting} != setting:
         report = setting | {"policies": {}}
     model, tokenizer = ModelChoice(None if default else args.model, device).load()
-    todo = {f"trimkv+global ({name})": name for name in variants}
+    todo = {variant_label(name): name for name in variants}
     policies = RIVALS[args.model] if args.policies is None else filter(None, args.policies.split(";"))
     todo |= {spec.replace(f"{home}/", ""): spec for spec in policies}
     for label, name in todo.items():
