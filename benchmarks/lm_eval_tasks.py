@@ -32,6 +32,7 @@ from lm_eval.tasks import TaskManager
 
 import kvsieve
 import kvsieve.harness.lmeval
+from gates_provenance import default_gates, gates_note
 from kvsieve.harness.data.essays import essay_split, sample_documents
 from kvsieve.harness.data.sample import prompt_texts
 from kvsieve.harness.data.suites import task_samples
@@ -114,7 +115,7 @@ def contenders(policies: list[str], rates: list[float], doc_tokens: int) -> list
 
 def measure(args: argparse.Namespace) -> dict:
     """Every contender on every task; lm-eval's numbers as it reports them."""
-    _, tokenizer = kvsieve.load_model()
+    model, tokenizer = kvsieve.load_model()
     folder = RESULTS / "lm_eval_tasks"
     write_tasks(folder, tokenizer, args.samples, args.length, args.doc_tokens)
     forms = list(TASKS.values())
@@ -126,6 +127,7 @@ def measure(args: argparse.Namespace) -> dict:
         rows.append({"policy": policy, "rate": rate, "results": results, "seconds": time.perf_counter() - start})
         console.print(f"{policy} at {rate}: {time.perf_counter() - start:.0f} s")
     settings = {"samples": args.samples, "length": args.length, "doc_tokens": args.doc_tokens, "buffer": BUFFER}
+    settings |= {"default_gates": default_gates(model)}
     return {"model": "smollm2-135m", "lm_eval": lm_eval.__version__, **settings, "rows": rows}
 
 
@@ -150,7 +152,7 @@ def markdown(report: dict) -> str:
         f"\nlm-eval {report['lm_eval']} on the default model; {report['samples']} samples per task at about "
         f"{report['length']} tokens; accuracy ± lm-eval's standard error. Rolling: 6 held-back essays of "
         f"{report['doc_tokens']} tokens through a bounded cache of (1 - rate) x {report['doc_tokens']} entries per "
-        f"(layer, kv-head), buffer {report['buffer']}.\n"
+        f"(layer, kv-head), buffer {report['buffer']}.{gates_note(report.get('default_gates'))}\n"
     )
     return markdown_table(header, body) + note
 

@@ -41,6 +41,7 @@ RUNNING, KV_USAGE, PREEMPTIONS = "vllm:num_requests_running", "vllm:kv_cache_usa
 
 
 def markdown(report: dict) -> str:
+    from gates_provenance import gates_note
     from kvsieve.harness.report import markdown_table
 
     setup = report["setup"]
@@ -48,7 +49,8 @@ def markdown(report: dict) -> str:
         f"vLLM {setup['vllm']} (CPU build), default model in bfloat16, {setup['requests']} requests of about "
         f"{setup['prompt_tokens']} prompt tokens submitted at once, KV memory {setup['blocks']} blocks of {BLOCK} "
         f"tokens ({setup['full_requests_fit']:.1f} full requests) unless the row says otherwise; torch threads in "
-        f"vLLM's worker {setup['torch_threads']} (vLLM's choice), {setup['cpus']} CPUs; eager mode.",
+        f"vLLM's worker {setup['torch_threads']} (vLLM's choice), {setup['cpus']} CPUs; eager mode."
+        + gates_note(setup.get("default_gates")),
         "",
     ]
     header = [
@@ -203,6 +205,9 @@ def main() -> None:
         args.out = "vllm_serving_quick"
     import vllm
 
+    import kvsieve
+    from gates_provenance import default_gates
+
     console, results = Console(), []
     for job in rows(args):
         tick = time.perf_counter()
@@ -217,6 +222,7 @@ def main() -> None:
         "vllm": vllm.__version__, "requests": args.requests, "prompt_tokens": args.prompt, "blocks": args.blocks,
         "full_requests_fit": (args.blocks - 1) / -(-(args.prompt + max(args.new)) // BLOCK),
         "torch_threads": results[0]["torch_threads"], "cpus": os.cpu_count(),
+        "default_gates": default_gates(kvsieve.load_model()[0]),
     }  # fmt: skip
     report = {"setup": setup, "rows": results}
     path = TABLE.write(report, args.out)
