@@ -20,9 +20,10 @@ also the heuristics that beat its base gates, ``expected`` and ``vatp+global``) 
 Results are kept per policy in benchmarks/results/gate_ablation.json (Gemma-3-270M:
 gate_ablation_gemma3_270m.json; another `--docs`, `--samples` or `--length` adds it to the name, e.g.
 gate_ablation_samples30.json, and so does a `--device` other than the CPU: gate_ablation_cuda.json), so a rerun
-evaluates only what is missing (`--variants` picks the variants; `--fresh` starts over). `--policies` judges
-specs as given beside them (default: the model's rivals), e.g. the shipped gates under another scorer parameter
-(`trimkv+global:horizon=inf`) or a variant's gates by path (the gates home is left out of the label).
+evaluates only what is missing (`--variants` picks the variants: all by default, none when `--policies` is given;
+`--fresh` starts over). `--policies` judges specs as given beside them (default: the model's rivals), e.g. the
+shipped gates under another scorer parameter (`trimkv+global:horizon=inf`) or a variant's gates by path (the gates
+home is left out of the label).
 
     python benchmarks/gate_ablation.py [--variants "capacity 128,mix10"] [--docs 24] [--samples 15] [--length 1536]
                                        [--model gemma3-270m] [--device cuda] [--policies "SPEC;SPEC"]
@@ -323,7 +324,8 @@ SETTING_DEFAULTS = {"docs": 24, "samples": 15, "length": 1536}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default=",".join(NAMES), help="comma-separated, of: " + ", ".join(NAMES))
+    every = ", ".join(NAMES)
+    parser.add_argument("--variants", help=f"comma-separated (default: all; none with --policies), of: {every}")
     for name, value in SETTING_DEFAULTS.items():
         parser.add_argument(f"--{name}", type=int, default=value)
     parser.add_argument("--policies", help="semicolon-separated specs judged as given (default: the model's rivals)")
@@ -332,7 +334,8 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="forget the results already in the JSON")
     parser.add_argument("--device", default="cpu", help="where the model runs and variants train (cpu, cuda, ...)")
     args = parser.parse_args()
-    variants = list(filter(None, args.variants.split(",")))
+    chosen = ",".join(NAMES) if args.variants is None and args.policies is None else args.variants or ""
+    variants = list(filter(None, chosen.split(",")))
     unknown = set(variants) - set(NAMES)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(NAMES)}")
