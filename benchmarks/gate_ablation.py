@@ -334,8 +334,10 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="forget the results already in the JSON")
     parser.add_argument("--device", default="cpu", help="where the model runs and variants train (cpu, cuda, ...)")
     args = parser.parse_args()
-    chosen = ",".join(NAMES) if args.variants is None and args.policies is None else args.variants or ""
-    variants = list(filter(None, chosen.split(",")))
+    if args.variants is None:
+        variants = list(NAMES) if args.policies is None else []
+    else:
+        variants = list(filter(None, args.variants.split(",")))
     unknown = set(variants) - set(NAMES)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(NAMES)}")
