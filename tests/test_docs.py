@@ -4,6 +4,7 @@ benchmark script that writes it renders from its JSON (benchmarks/render_docs.py
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import json
 import re
@@ -15,6 +16,12 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+import torch
+
+from conftest import tiny_llama
+from kvsieve.modeling.gates import RetentionGates, gate_shape
+from kvsieve.selection import checkpoint
+from kvsieve.selection.checkpoint import TrainRecord, model_fingerprint, save_gates
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -149,3 +156,21 @@ def test_a_marker_naming_a_missing_results_file_is_an_error(tmp_path: Path) -> N
     doc.write_text("<!-- results: decode_speed.md#9 -->\n<!-- end results -->\n")
     with pytest.raises(render_docs.RenderError, match=r"asks for table 9; .* has 1"):
         render_docs.check(doc, RESULTS)
+
+
+def test_a_report_names_the_shipped_gates_its_trimkv_rows_read(tmp_path, monkeypatch):
+    provenance = _benchmarks_module("gates_provenance")
+    model = tiny_llama()
+    assert provenance.default_gates(model) is None, "no shipped checkpoint was trained for a random model"
+    assert provenance.gates_note(None) == ""
+    record = TrainRecord("tiny", model_fingerprint(model), 8, "global", 1.0, 3, 48, 0, {}, 1.5)
+    for seed, name in enumerate(("replaced-tiny", "tiny")):  # the default is the one named after the model
+        torch.manual_seed(seed)
+        save_gates(RetentionGates(gate_shape(model, width=8)), record, tmp_path / name)
+    monkeypatch.setattr(checkpoint, "SHIPPED", tmp_path)
+    gates = provenance.default_gates(model)
+    weights = {folder.name: (folder / checkpoint.WEIGHTS_FILE).read_bytes() for folder in tmp_path.iterdir()}
+    digests = {name: hashlib.sha256(data).hexdigest()[:12] for name, data in weights.items()}
+    assert digests["tiny"] != digests["replaced-tiny"]
+    assert gates == {"name": "tiny", "sha256": digests["tiny"]}
+    assert provenance.gates_note(gates) == f" `trimkv` read the shipped gates `tiny` (weights {digests['tiny']})."
