@@ -7,8 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kvsieve
 from kvsieve.harness.eval import bootstrap_delta_ci, pooled_delta_pct, run_ppl
+from kvsieve.harness.eval.respond import continuation_nll
 from kvsieve.harness.runners import LocalRunner
+from tokenizer import tiny_tokenizer
 
 PREFIX, CONT = 64, 24
 
@@ -93,3 +96,20 @@ def test_pooled_delta_and_bootstrap():
     assert lo == pytest.approx(hi) == pytest.approx(100 * (np.exp(0.2) - 1))
     lo, hi = bootstrap_delta_ci(nll_full + np.array([0.0, 4.0]), nll_full, tokens)
     assert lo == pytest.approx(0.0) and hi == pytest.approx(100 * (np.exp(0.8) - 1))
+
+
+@torch.no_grad()
+def test_sentence_projection_keeps_the_sentences_compress_keeps(model, documents):
+    """The protocol gives `projection=sentence` the prefix's sentences, as `kvsieve.compress(spans=...)` takes them."""
+    tokenizer = tiny_tokenizer()
+    policy = "snapkv:projection=sentence"
+    result = run_ppl(LocalRunner(model, tokenizer), documents, [policy], [0.5], PREFIX, CONT)
+    expected = []
+    for _, ids in documents:
+        prefix = ids[:, :PREFIX]
+        spans = kvsieve.sentence_spans(tokenizer, prefix[0])
+        assert spans.max() > 0, "the test needs prefixes of more than one sentence"
+        cache = kvsieve.compress(model, prefix, policy, rate=0.5, spans=spans)
+        with kvsieve.sieve_attention(model):
+            expected += continuation_nll(model, cache, ids[:, PREFIX : PREFIX + CONT + 1])
+    np.testing.assert_allclose(result.nll[policy, 0.5], expected, rtol=1e-5)
