@@ -24,7 +24,7 @@ from rich.console import Console
 
 import kvsieve
 from kvsieve import load_model
-from kvsieve.harness.data.sample import TaskSample, encode
+from kvsieve.harness.data.sample import EncodedSample, encode
 from kvsieve.harness.data.suites import task_samples
 from kvsieve.harness.models import GEMMA_MODEL
 from kvsieve.harness.progress import progress_bar
@@ -32,32 +32,32 @@ from kvsieve.harness.report import markdown_table
 from results_io import Output
 
 
-def answer_positions(sample: TaskSample, tokenizer) -> tuple[list[int], list[int]]:
+def answer_positions(encoded: EncodedSample, tokenizer) -> tuple[list[int], list[int]]:
     """Token positions of the asked needle's answer in the context (its whitespace-only tokens left out), and of
     the rest of its sentence."""
+    sample = encoded.sample
     (start, end), answer = sample.evidence[0], sample.gold
     at = sample.context.index(answer, start, end)
-    encoded = encode(dataclasses.replace(sample, evidence=((at, at + len(answer)),)), tokenizer)
+    answer_only = encode(dataclasses.replace(sample, evidence=((at, at + len(answer)),)), tokenizer)
     ids = encoded.context_ids[0]
-    value = [p for p in encoded.evidence_positions.tolist() if tokenizer.decode(ids[p]).strip()]
-    sentence = encode(sample, tokenizer).evidence_positions.tolist()
-    return value, sorted(set(sentence) - set(value))
+    value = [p for p in answer_only.evidence_positions.tolist() if tokenizer.decode(ids[p]).strip()]
+    return value, sorted(set(encoded.evidence_positions.tolist()) - set(value))
 
 
-def kept_by_head(cache: kvsieve.SievedCache) -> list[set[int]]:
-    """The positions each full-attention (layer, kv-head) stores, layer by layer."""
-    return [set(positions.tolist()) for idx in cache.full_layers for positions in cache.kept_positions(idx)]
+def kept_by_layer(cache: kvsieve.SievedCache) -> list[list[set[int]]]:
+    """The positions each kv-head of each full-attention layer stores."""
+    return [[set(positions.tolist()) for positions in cache.kept_positions(idx)] for idx in cache.full_layers]
 
 
-def survival(heads: list[set[int]], heads_per_layer: int, value: list[int], rest: list[int]) -> dict:
+def survival(layers: list[list[set[int]]], value: list[int], rest: list[int]) -> dict:
     """What of one needle the heads store: the answer's first token anywhere, its other tokens anywhere (share),
     the whole answer in one layer, the rest of the sentence (mean share over heads)."""
+    heads = [head for layer in layers for head in layer]
     anywhere = set().union(*heads)
-    layers = [set().union(*heads[i : i + heads_per_layer]) for i in range(0, len(heads), heads_per_layer)]
     return {
         "first": value[0] in anywhere,
         "others": sum(p in anywhere for p in value[1:]) / max(len(value) - 1, 1),
-        "whole": any(set(value) <= layer for layer in layers),
+        "whole": any(set(value) <= set().union(*layer) for layer in layers),
         "rest": statistics.mean(sum(p in head for p in rest) / len(rest) for head in heads),
     }
 
@@ -96,16 +96,15 @@ def main() -> None:
     policies = [spec for spec in args.policies.split(";") if spec]
     rates = [float(rate) for rate in args.rates.split(",")]
     model, tokenizer = load_model(args.model)
-    heads_per_layer = model.config.num_key_value_heads
     samples = task_samples([args.task], tokenizer, length=args.length, n=args.samples, seed=0)
     found: dict[tuple[str, float], list[dict]] = {(policy, rate): [] for policy in policies for rate in rates}
     with progress_bar("needle tokens, compressions") as progress, torch.no_grad():
         for done, sample in enumerate(samples):
-            value, rest = answer_positions(sample, tokenizer)
-            ids = encode(sample, tokenizer).context_ids
+            encoded = encode(sample, tokenizer)
+            value, rest = answer_positions(encoded, tokenizer)
             for (policy, rate), rows in found.items():
-                cache = kvsieve.compress(model, ids, policy, rate=rate, tokenizer=tokenizer)
-                rows.append(survival(kept_by_head(cache), heads_per_layer, value, rest))
+                cache = kvsieve.compress(model, encoded.context_ids, policy, rate=rate, tokenizer=tokenizer)
+                rows.append(survival(kept_by_layer(cache), value, rest))
             progress(done + 1, len(samples))
     report = {"model": args.model, "task": args.task, "samples": args.samples, "length": args.length, "rows": []}
     for (policy, rate), rows in found.items():
