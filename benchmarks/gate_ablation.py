@@ -55,7 +55,7 @@ from kvsieve.harness.training.soup import average_gates
 from kvsieve.harness.training.train import STATE_FILE, TrainConfig, train_gates
 from kvsieve.modeling.gates import Horizons
 from kvsieve.selection.checkpoint import CONFIG_FILE, TrainRecord, read_gates, resolve_gates
-from results_io import RESULTS, Output
+from results_io import RESULTS, Output, named_for
 
 RATES = [0.5, 0.75, 0.9, 0.95]
 GROUPS = {"RULER's format": ("niah_single_2", "niah_multikey_1"), "unseen formats": ("niah_ledger", "niah_locker")}
@@ -342,7 +342,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(NAMES)}")
     default = args.model == DEFAULT_MODEL
-    stem = "gate_ablation" if default else f"gate_ablation_{args.model.replace('-', '_')}"
+    stem = named_for("gate_ablation", None if default else args.model)
     stem += "".join(f"_{k}{getattr(args, k)}" for k, value in SETTING_DEFAULTS.items() if getattr(args, k) != value)
     try:
         device = torch_device(args.device)

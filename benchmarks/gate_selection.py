@@ -46,7 +46,7 @@ from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table
 from kvsieve.harness.runners import LocalRunner
 from kvsieve.selection.checkpoint import read_gates, resolve_gates
-from results_io import Output
+from results_io import Output, named_for
 
 RATES = [0.75, 0.9]
 GROUPS = {"RULER's format": ("niah_single_2", "niah_multikey_1"), "varied formats": VARIED_TASKS}
@@ -163,7 +163,7 @@ def main() -> None:
     if unknown or not candidates:
         parser.error(f"unknown or no candidates {sorted(unknown)}; choose from {', '.join(NAMES)}")
     default = args.model == DEFAULT_MODEL
-    stem = "gate_selection" + ("" if default else f"_{args.model.replace('-', '_')}")
+    stem = named_for("gate_selection", None if default else args.model)
     stem += "".join(f"_{k}{getattr(args, k)}" for k, value in SETTING_DEFAULTS.items() if getattr(args, k) != value)
     stem += f"_{args.gates_home.name}" if args.gates_home else ""
     home = args.gates_home or cache_home() / "gates" / "ablation" / ("" if default else args.model)

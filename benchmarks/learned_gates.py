@@ -45,7 +45,7 @@ from kvsieve.harness.gemma import GEMMA_MODEL
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table, ppl_markdown, stream_markdown
 from kvsieve.harness.runners import LocalRunner
-from results_io import RESULTS, Output
+from results_io import RESULTS, Output, named_for
 
 LEARNED = ["trimkv+global", "trimkv", "trimkv+adaptive", "trimkv+global:gates=untrained"]
 #: The heuristics, each with the allocator that did best for it in `policy_table` (vatp: global, the rest uniform).
@@ -304,7 +304,7 @@ def main() -> None:
     for key, value in sizes.items():
         setattr(args, key, value)
     model, tokenizer = kvsieve.load_model(None if args.model == "default" else args.model)
-    args.prefix = "learned_gates" if args.model == "default" else f"learned_{args.model.replace('-', '_')}"
+    args.prefix = "learned_gates" if args.model == "default" else named_for("learned", args.model)
     for name in args.stages.split(","):
         stage, output = STAGES[name]
         start = time.perf_counter()

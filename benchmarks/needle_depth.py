@@ -35,7 +35,7 @@ from kvsieve.harness.models import DEFAULT_MODEL, GEMMA_MODEL
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table, plot_recall_by_depth
 from kvsieve.harness.runners import LocalRunner
-from results_io import RESULTS, Output
+from results_io import RESULTS, Output, named_for
 
 RAW = Path(__file__).parent.parent / "results"
 THIRDS = ("first", "middle", "last")
@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=1536)
     parser.add_argument("--model", default=DEFAULT_MODEL, choices=[DEFAULT_MODEL, GEMMA_MODEL])
     args = parser.parse_args()
-    stem = "needle_depth" if args.model == DEFAULT_MODEL else f"needle_depth_{args.model.replace('-', '_')}"
+    stem = named_for("needle_depth", None if args.model == DEFAULT_MODEL else args.model)
     policies = [spec for spec in args.policies.split(";") if spec]
     rates = [float(rate) for rate in args.rates.split(",")]
     model, tokenizer = load_model(args.model)

@@ -29,7 +29,7 @@ from kvsieve.harness.data.suites import task_samples
 from kvsieve.harness.models import GEMMA_MODEL
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table
-from results_io import Output
+from results_io import Output, named_for
 
 
 def answer_positions(encoded: EncodedSample, tokenizer) -> tuple[list[int], list[int]]:
@@ -111,7 +111,7 @@ def main() -> None:
         means = {key: statistics.mean(float(row[key]) for row in rows) for key in rows[0]}
         report["rows"].append({"policy": policy, "rate": rate} | means)
     Console().print(markdown(report))
-    stem = f"needle_tokens_{args.model.replace('-', '_')}_{args.task}"
+    stem = named_for("needle_tokens", args.model) + f"_{args.task}"
     print(f"wrote {TABLE.write(report, stem)}")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -21,6 +22,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 #: Markdown from a JSON report, as read back from its file.
 Renderer = Callable[[dict], str]
+
+
+def named_for(stem: str, model: str | None) -> str:
+    """`stem` for the default model (None), else STEM_MODEL with the model's name made an identifier."""
+    return stem if model is None else f"{stem}_{re.sub(r'[^0-9A-Za-z]+', '_', model)}"
 
 
 def _plain(value: object) -> object:

@@ -35,7 +35,7 @@ from kvsieve.harness.training.retention import RetentionTape
 from kvsieve.harness.training.train import TrainConfig, loss_positions, train_step
 from kvsieve.modeling.gates import RetentionGates, gate_shape
 from kvsieve.modeling.rotary import find_rotary
-from results_io import Output
+from results_io import Output, named_for
 
 #: Real models' dimensions for `--shape` (Llama-3.2-1B and Llama-3-8B: hidden, MLP, layers, q heads, kv heads).
 SHAPES = {"llama-3.2-1b": (2048, 8192, 16, 32, 8), "llama-3-8b": (4096, 14336, 32, 32, 8)}
@@ -187,7 +187,7 @@ def main() -> None:
     report = measure(args)
     console.print(markdown(report))
     model = args.shape or (args.model and Path(args.model).name)
-    stem = "train_speed" if model is None else f"train_speed_{model.replace('-', '_').replace('.', '_')}"
+    stem = named_for("train_speed", model)
     stem += "" if (args.device, args.dtype) == ("cpu", "float32") else f"_{args.device}_{args.dtype}"
     stem += "" if args.seq_len == TrainConfig.seq_len else f"_{args.seq_len}"
     console.print(f"wrote {TABLE.write(report, stem)}")

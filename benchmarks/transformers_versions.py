@@ -17,14 +17,14 @@ from pathlib import Path
 
 from kvsieve.harness.progress import console
 from kvsieve.harness.report import markdown_table
-from results_io import RESULTS, Output
+from results_io import RESULTS, Output, named_for
 
 HERE = Path(__file__).parent
 
 
 def run_in(env: Path, script: str, *args: str) -> dict:
     """Run a benchmark script with `env`'s Python; return the report it wrote."""
-    stem = f"{Path(script).stem}_{env.name.lstrip('.').replace('-', '_')}"
+    stem = named_for(Path(script).stem, env.name.lstrip("."))
     subprocess.run([str(env / "bin" / "python"), str(HERE / script), *args, "--out", stem], check=True)
     return json.loads((RESULTS / f"{stem}.json").read_text())
 
