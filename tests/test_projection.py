@@ -81,12 +81,14 @@ def test_spans_on_an_evicted_ragged_cache(model, ids, spec, topk_spec):
             assert _check_whole(kept, evictable[h], entry_spans[h]) <= 1
 
 
-def _one_head(scores: list[float], spans: list[int], count: int, protected: list[int] = ()) -> list[int]:
+def _one_head(
+    scores: list[float], spans: list[int], count: int, protected: list[int] = (), best_tokens: float = 0.0
+) -> list[int]:
     """Kept indices of one head with the given scores, span ids, count and protected entries."""
     n = len(scores)
     protect = torch.zeros(1, n, dtype=torch.bool)
     protect[0, list(protected)] = True
-    kept = pick_spans(torch.tensor([scores]), protect, ~protect, [count], torch.tensor([spans]))
+    kept = pick_spans(torch.tensor([scores]), protect, ~protect, [count], torch.tensor([spans]), best_tokens)
     return kept[0].tolist()
 
 
@@ -98,6 +100,19 @@ def test_a_high_entry_in_a_low_span_loses_to_a_uniformly_medium_span():
     # 6: span 1 whole, then nothing fits the 2 left: the best-ranked unused span (0) gives its 2 best entries
     scores[1] = 0.5
     assert _one_head(scores, spans, 6) == [0, 1, 4, 5, 6, 7]
+
+
+def test_best_tokens_keeps_the_best_entries_first_then_spans_of_the_rest():
+    scores = [10.0, 0.0, 0.0, 0.0] + [3.0] * 4 + [1.0] * 8
+    spans = [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    # 3 of 16 one by one: 0, then 4 and 5 (equal scores: the earlier); span 1's rest (6, 7) has the best mean
+    # of what is left; 1 more: spans 2 and 3 tie at mean 1, the earlier gives its best entry
+    assert _one_head(scores, spans, 6, best_tokens=0.2) == [0, 4, 5, 6, 7, 8]
+    assert _one_head(scores, spans, 6, best_tokens=0.0) == _one_head(scores, spans, 6)
+    top = torch.tensor(scores).sort(descending=True, stable=True).indices[:2].sort().values.tolist()
+    assert _one_head(scores, spans, 2, best_tokens=0.2) == top, "a count below the fraction: topk's entries"
+    # 15 evictable, 1 one by one (4); span 1's rest (5-7) has the best mean
+    assert _one_head(scores, spans, 4, protected=[0], best_tokens=0.1) == [0, 4, 5, 6, 7], "protected: not counted"
 
 
 def test_spans_that_do_not_fit_are_skipped_and_ties_go_to_the_earlier_span():
@@ -130,7 +145,13 @@ def test_non_finite_scores():
 
 
 @pytest.mark.parametrize(
-    "spec", ["snapkv:projection=chunk", "knorm+global:projection=chunk,chunk_size=3", "snapkv:projection=sentence"]
+    "spec",
+    [
+        "snapkv:projection=chunk",
+        "knorm+global:projection=chunk,chunk_size=3",
+        "snapkv:projection=sentence",
+        "snapkv+global:projection=sentence,best_tokens=0.2",
+    ],
 )
 @torch.no_grad()
 def test_compressed_cache_equals_masked_full_cache(model, ids, masked_reference, spec):
@@ -203,6 +224,29 @@ def test_bounded_growth_keeps_sentences_given_at_compress_time(model):
     assert evictions == 4, "at steps 9, 17, 25 and 33: once the cache would pass 30 + 8 entries per head"
 
 
+@torch.no_grad()
+def test_a_tokenizer_gives_the_sentences_when_no_spans_are(lm, tok):
+    """compress(tokenizer=) and generate(tokenizer=) keep what they keep with spans=sentence_spans(...)."""
+    model = lm
+    text = " ".join(["The grass is green. Who is the mother of Carol? I don't know!"] * 6)
+    ids = tok(text, return_tensors="pt").input_ids
+    spec = "snapkv+global:projection=sentence,best_tokens=0.1"
+    given = kvsieve.compress(model, ids, spec, 0.7, spans=sentence_spans(tok, ids))
+    read = kvsieve.compress(model, ids, spec, 0.7, tokenizer=tok)
+    for layer in range(3):
+        for a, b in zip(read.kept_positions(layer), given.kept_positions(layer), strict=True):
+            assert torch.equal(a, b)
+    context = ids[:, :-1]  # generate compresses all but the prompt's last token
+    out = kvsieve.generate(model, ids, spec, rate=0.7, max_new_tokens=4, do_sample=False, tokenizer=tok)
+    expected = kvsieve.generate(
+        model, ids, spec, rate=0.7, max_new_tokens=4, do_sample=False, spans=sentence_spans(tok, context)
+    )
+    assert torch.equal(out, expected)
+    with kvsieve.apply(model, kvsieve.EvictionConfig(rate=0.7, policy=spec)):
+        applied = model.generate(ids, max_new_tokens=4, do_sample=False, tokenizer=tok)
+    assert torch.equal(applied, expected)
+
+
 def test_sentence_spans_number_sentences():
     tok = tiny_tokenizer()
     text = "The grass is green. Who is the mother of Carol? I don't know!\nHere we go"
@@ -221,6 +265,7 @@ def test_policy_names_round_trip():
         "snapkv:projection=chunk",
         "snapkv+global:projection=chunk,chunk_size=16",
         "importance+adaptive:n_sink=2,projection=sentence",
+        "trimkv+global:projection=sentence,best_tokens=0.1",
         "snapkv",
     ]:
         policy = kvsieve.make_policy(spec)
@@ -243,6 +288,10 @@ def test_projection_errors(model, ids):
         kvsieve.make_policy("snapkv:projection=chunk,chunk_size=0")
     with pytest.raises(kvsieve.PolicyError, match="chunk_size is a parameter of projection=chunk"):
         kvsieve.make_policy("snapkv:chunk_size=4")
+    with pytest.raises(kvsieve.PolicyError, match="best_tokens is a parameter of projection=chunk or sentence"):
+        kvsieve.make_policy("snapkv:best_tokens=0.5")
+    with pytest.raises(kvsieve.PolicyError, match=r"best_tokens must be a number in \[0, 1\)"):
+        kvsieve.make_policy("snapkv:projection=sentence,best_tokens=1")
     with pytest.raises(kvsieve.PolicyError, match="chunk_size='x' is not a valid int"):
         kvsieve.make_policy("snapkv:projection=chunk,chunk_size=x")
     sentence = "snapkv:projection=sentence"
@@ -253,8 +302,9 @@ def test_projection_errors(model, ids):
         kvsieve.compress(model, ids, sentence, 0.5)
     with pytest.raises(kvsieve.PolicyError, match="none were given: pass spans"):
         kvsieve.bounded_cache(model, sentence, max_tokens=40)
-    with pytest.raises(kvsieve.PolicyError, match="apply\\(\\) cannot take"):
-        kvsieve.EvictionConfig(rate=0.5, policy=sentence)
+    applied = kvsieve.apply(model, kvsieve.EvictionConfig(rate=0.5, policy=sentence))
+    with applied, pytest.raises(kvsieve.PolicyError, match=r"tokenizer= to .* \(under kvsieve.apply\) model.generate"):
+        model.generate(ids, max_new_tokens=2)
     with pytest.raises(kvsieve.PolicyError, match="1-D integer tensor"):
         kvsieve.make_policy(sentence).select(prefill.observations[0], 0.5, spans=torch.zeros(120))
     with pytest.raises(kvsieve.PolicyError, match="spans must have shape"):

@@ -13,6 +13,12 @@ they fit whole in what is left of the head's count; a span that does not fit is 
 entries are left to fill when no unused span fits, the best-ranked unused span gives its
 best-scored entries for exactly the rest, so at most one span per head is cut and the head keeps
 exactly its count. Scores of +-inf rank as such (a span holding both ranks last); NaN is an error.
+
+Both span projections take `best_tokens`: the fraction of each head's evictable entries (rounded,
+at most its count) first kept entry by entry, the best-scored as `topk` keeps them, the rest of the
+count then span by span among the entries left. With ``projection=sentence,best_tokens=0.1`` a head
+that keeps 10% or less keeps as `topk` does, and one that keeps 25% keeps its best 10% one by one
+and 15% in whole sentences.
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ from .allocators import top_scored
 from .errors import PolicyError
 
 DEFAULT_CHUNK_SIZE = 8
+DEFAULT_BEST_TOKENS = 0.0
 
 MISSING_SPANS = (
     "projection=sentence keeps whole caller-given spans, and none were given: pass spans (a span id per token "
-    "position, e.g. kvsieve.sentence_spans(tokenizer, input_ids)) to kvsieve.compress, Policy.select or "
-    "Eviction, or use projection=topk or projection=chunk"
+    "position, e.g. kvsieve.sentence_spans(tokenizer, input_ids)) to kvsieve.compress, kvsieve.generate, "
+    "Policy.select or Eviction, or pass tokenizer= to kvsieve.compress, kvsieve.generate or (under "
+    "kvsieve.apply) model.generate, which then read the sentences; or use projection=topk or projection=chunk"
 )
 
 
@@ -92,10 +100,12 @@ class Chunks:
     name: ClassVar[str] = "chunk"
     needs_spans: ClassVar[bool] = False
     chunk_size: int = DEFAULT_CHUNK_SIZE
+    best_tokens: float = DEFAULT_BEST_TOKENS
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise PolicyError(f"chunk_size must be an integer >= 1, got {self.chunk_size!r}")
+        check_best_tokens(self.best_tokens)
 
     def pick(
         self,
@@ -107,7 +117,7 @@ class Chunks:
         spans: torch.Tensor | None,
     ) -> list[torch.Tensor]:
         chunks = positions.div(self.chunk_size, rounding_mode="floor")
-        return pick_spans(scores, protected, evictable, counts, chunks)
+        return pick_spans(scores, protected, evictable, counts, chunks, self.best_tokens)
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,10 @@ class Sentences:
 
     name: ClassVar[str] = "sentence"
     needs_spans: ClassVar[bool] = True
+    best_tokens: float = DEFAULT_BEST_TOKENS
+
+    def __post_init__(self) -> None:
+        check_best_tokens(self.best_tokens)
 
     def pick(
         self,
@@ -132,10 +146,16 @@ class Sentences:
     ) -> list[torch.Tensor]:
         if spans is None:
             raise PolicyError(MISSING_SPANS)
-        return pick_spans(scores, protected, evictable, counts, span_ids(positions, spans))
+        return pick_spans(scores, protected, evictable, counts, span_ids(positions, spans), self.best_tokens)
 
 
 PROJECTIONS: dict[str, type] = {cls.name: cls for cls in (TopK, Chunks, Sentences)}
+
+
+def check_best_tokens(fraction: float) -> None:
+    """A clear error for a `best_tokens` that is not a number in [0, 1)."""
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 <= fraction < 1:
+        raise PolicyError(f"best_tokens must be a number in [0, 1) (1 would be projection=topk), got {fraction!r}")
 
 
 def check_spans(spans: torch.Tensor | None) -> None:
@@ -160,13 +180,20 @@ def span_ids(positions: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
 
 
 def pick_spans(
-    scores: torch.Tensor, protected: torch.Tensor, evictable: torch.Tensor, counts: Sequence[int], spans: torch.Tensor
+    scores: torch.Tensor,
+    protected: torch.Tensor,
+    evictable: torch.Tensor,
+    counts: Sequence[int],
+    spans: torch.Tensor,
+    best_tokens: float = DEFAULT_BEST_TOKENS,
 ) -> list[torch.Tensor]:
     """Sorted indices kept per kv-head: every protected entry plus `counts[h]` evictable ones, taken span by span.
 
-    Per head: spans rank by the mean score of their evictable entries (ties: earlier first entry);
-    each that fits whole in what is left of the count is taken, the others skipped; what is left
-    when none fits comes from the best-ranked unused span's best-scored entries (one span cut at most).
+    Per head: its best-scored `best_tokens` fraction of the evictable entries first, at most `count`
+    (equal scores: the earlier); then, among the evictable entries left, spans rank by the mean
+    score of their entries (ties: earlier first entry); each that fits whole in what is left of the
+    count is taken, the others skipped; what is left when none fits comes from the best-ranked
+    unused span's best-scored entries (one span cut at most).
 
     Args:
         scores: `[kv_heads, n]`, higher = keep. protected, evictable: `[kv_heads, n]` bool.
@@ -176,9 +203,19 @@ def pick_spans(
         raise ValueError("scores must not be NaN")
     out = []
     for h, count in enumerate(counts):
-        kept = head_spans(scores[h], evictable[h], spans[h], int(count))
-        out.append(torch.cat([protected[h].nonzero().flatten(), kept]).sort().values)
+        first = min(int(count), round(best_tokens * int(evictable[h].sum())))
+        singles = best_entries(scores[h], evictable[h], first)
+        left = evictable[h].clone()
+        left[singles] = False
+        kept = head_spans(scores[h], left, spans[h], int(count) - singles.numel())
+        out.append(torch.cat([protected[h].nonzero().flatten(), singles, kept]).sort().values)
     return out
+
+
+def best_entries(scores: torch.Tensor, evictable: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of one head's `count` best-scored evictable entries (equal scores: the earlier entry)."""
+    index = evictable.nonzero().flatten()
+    return index[scores[index].sort(descending=True, stable=True).indices[:count]]
 
 
 def head_spans(scores: torch.Tensor, evictable: torch.Tensor, spans: torch.Tensor, count: int) -> torch.Tensor:

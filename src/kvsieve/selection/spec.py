@@ -67,9 +67,9 @@ def _projection(given: dict[str, object]) -> Projection:
     for key, value in given.items():
         if key in own:
             continue
-        other = next(name for name, cls in PROJECTIONS.items() if key in _defaults(cls))
-        if value != _defaults(PROJECTIONS[other])[key]:
-            raise PolicyError(f"{key} is a parameter of projection={other}, not of projection={choice}")
+        owners = [name for name, cls in PROJECTIONS.items() if key in _defaults(cls)]
+        if value != _defaults(PROJECTIONS[owners[0]])[key]:
+            raise PolicyError(f"{key} is a parameter of projection={' or '.join(owners)}, not of projection={choice}")
     return PROJECTIONS[choice](**{k: v for k, v in given.items() if k in own})
 
 
@@ -116,7 +116,8 @@ def make_policy(spec: str | Policy, allocator: str | None = None, **params: obje
         allocator: ``uniform``, ``pyramid``, ``adaptive`` or ``global``, if `spec` names none.
         params: override the spec's; keys are the scorer's and the allocator's fields plus `n_sink`,
             `n_recent`, `projection` (``topk``, ``chunk``, ``sentence``, or a `Projection`) and the
-            projection's own (`chunk_size` for ``chunk``), e.g. ``"snapkv+global:projection=chunk,chunk_size=16"``.
+            projection's own (`chunk_size` for ``chunk``; `best_tokens` for ``chunk`` and ``sentence``), e.g.
+            ``"snapkv+global:projection=chunk,chunk_size=16"``.
             The deprecated `budget` (the allocator) and `sliding_window` (`n_recent`) still work, with a warning.
             The storage keys `kv_bits`, `kv_group`, `kv_residual`, `kv_codec` (`kvsieve.selection.storage.Storage`) may
             also be given with a `Policy`; one the spec (or the `Policy`) sets to another value is an error,

@@ -14,6 +14,7 @@ from ...selection.errors import PolicyError
 from ...selection.policy import Policy
 from ...selection.projection import MISSING_SPANS
 from ...selection.protection import question_protection
+from ...selection.spans import sentence_spans
 from ...selection.spec import make_policy
 from ..attention.sieve import sieve_attention
 from ..compat import cache_argument
@@ -111,17 +112,19 @@ def compress(
             `kvsieve.sentence_spans`) per token position, `[tokens]` (counted over each
             sequence's real tokens, the same for every row) or `[batch, tokens]` (the shape of
             `input_ids`, padding columns ignored). Positions past the spans (a question, generated
-            tokens) are spans of their own. Other projections ignore it.
-        tokenizer: the model's tokenizer, for a scorer that asks the model to repeat the prompt (``kvzip``).
+            tokens) are spans of their own. Other projections ignore it. Not given, with a `tokenizer`:
+            the sentences of `input_ids` (`kvsieve.sentence_spans(tokenizer, input_ids)`).
+        tokenizer: the model's tokenizer, for a scorer that asks the model to repeat the prompt (``kvzip``)
+            and for the sentences of ``projection=sentence`` when no `spans` are given.
         policy_params: scorer and allocator parameters, the protection (`n_sink`, `n_recent`), the
-            projection (`projection`: ``topk``, ``chunk``, ``sentence``; `chunk_size` for ``chunk``) and the
-            storage of the kept entries (`kvsieve.selection.storage.Storage`): `kv_bits` per number, 16 (the
-            model's dtype), 8, 4 or 2 (integer codes, a scale and a minimum per `kv_group` channels, default
-            32), or `kv_codec="fp8"` (float8 e4m3, a scale per `kv_group` channels); the newest `kv_residual`
-            (default 32) of every (row, kv-head) stay in full precision, and `max_bytes` counts the bytes as
-            stored. The prefill and its scoring read the entries as computed; later forwards read them back
-            decoded. The spec may say them too (``"snapkv:kv_bits=4"``); a value here that contradicts the
-            spec's is an error.
+            projection (`projection`: ``topk``, ``chunk``, ``sentence``; `chunk_size` for ``chunk``,
+            `best_tokens` for both) and the storage of the kept entries (`kvsieve.selection.storage.Storage`):
+            `kv_bits` per number, 16 (the model's dtype), 8, 4 or 2 (integer codes, a scale and a minimum per
+            `kv_group` channels, default 32), or `kv_codec="fp8"` (float8 e4m3, a scale per `kv_group`
+            channels); the newest `kv_residual` (default 32) of every (row, kv-head) stay in full precision,
+            and `max_bytes` counts the bytes as stored. The prefill and its scoring read the entries as
+            computed; later forwards read them back decoded. The spec may say them too
+            (``"snapkv:kv_bits=4"``); a value here that contradicts the spec's is an error.
     """
     budget = make_budget(rate, max_tokens, max_bytes)
     resolved = make_policy(policy, allocator, **policy_params)
@@ -161,6 +164,8 @@ def compress_with(
     codec = storage_codec(policy.storage, model) if codec is None else codec
     protect_positions = protected_positions(protect_positions, input_ids.shape[-1])
     refuse_unevictable(model, budget)
+    if spans is None and tokenizer is not None and policy.projection.needs_spans:
+        spans = sentence_spans(tokenizer, input_ids)
     row_spans = spans_per_row(spans, input_ids, attention_mask)
     if policy.projection.needs_spans and row_spans is None:
         raise PolicyError(MISSING_SPANS)

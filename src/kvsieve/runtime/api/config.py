@@ -15,7 +15,6 @@ from ...selection.spec import make_policy
 from ...selection.storage import STORAGE_KEYS, Storage
 from ..eviction.growth import DEFAULT_BUFFER
 from ..storage.codecs import EntryCodec, storage_codec
-from .decoding import refuse_span_projection
 
 #: `EvictionConfig`'s keywords before kvsieve 0.2, still taken with a `DeprecationWarning`.
 _OLD_NAMES = ("eviction_rate", "eviction_mode", "budget", "sliding_window")
@@ -70,7 +69,6 @@ class EvictionConfig:
         overrides = {k: v for k, v in (("n_sink", self.n_sink), ("n_recent", self.n_recent)) if v is not None}
         storage = {key: getattr(self, key) for key in STORAGE_KEYS}
         policy = make_policy(self.policy, self.allocator, **storage, **overrides)  # checks the storage too
-        refuse_span_projection(policy)
         if self.sized and self.buffer is not None:
             check_count("buffer", self.buffer)
         object.__setattr__(self, "resolved", policy)

@@ -38,15 +38,6 @@ def refuse_beams(model: torch.nn.Module, generate_kwargs: dict, what: str) -> No
         raise PolicyError(f"beam search cannot run on {what}; use greedy decoding or sampling")
 
 
-def refuse_span_projection(policy: Policy) -> None:
-    """A clear error for a policy whose projection needs caller-given spans, which `apply()` cannot take."""
-    if policy.projection.needs_spans:
-        raise PolicyError(
-            f"policy {policy.name!r}: projection=sentence needs spans, which apply() cannot take; use "
-            "kvsieve.generate(..., spans=...), or kvsieve.compress(..., spans=...) and decode from its cache"
-        )
-
-
 @dataclass(frozen=True)
 class PromptOptions:
     """What `kvsieve.generate` passes on to the compression of its prompt besides the policy and the budget, with
@@ -138,18 +129,19 @@ def generate_compressed(
     the policy's storage says); `options` go to the compression (`compressed_prompt`).
     Returns what `generate` returns (the prompt, then the new tokens) and the cache (None where the
     prompt was too short to evict, see the module docstring). A `tokenizer` among `generate_kwargs`
-    (`model.generate` reads it for stop strings) also reaches the compression (``kvzip`` needs it).
+    (`model.generate` reads it for stop strings) also reaches the compression (``kvzip`` needs it; with
+    ``projection=sentence`` and no `spans` it gives the prompt's sentences).
     """
     check_input_ids(model, input_ids)
     if question_ids is not None:
         check_input_ids(model, question_ids, "question_ids")
-    if policy.projection.needs_spans and options.spans is None:
+    tokenizer = generate_kwargs.get("tokenizer")
+    if policy.projection.needs_spans and options.spans is None and tokenizer is None:
         raise PolicyError(MISSING_SPANS)
     if buffer is not None and not budget.is_size:
         raise PolicyError(BUFFER_NEEDS_SIZE)
     bounded = "a bounded cache (max_tokens, max_bytes)"
     refuse_beams(model, generate_kwargs, bounded if buffer is not None else "a compressed cache")
-    tokenizer = generate_kwargs.get("tokenizer")
     cache = compressed_prompt(
         model, input_ids, attention_mask, question_ids, policy, budget, buffer, codec, tokenizer, options
     )
