@@ -237,6 +237,18 @@ def test_kvzip_loglikelihood_equals_compress_with_the_tokenizer_then_a_forward(m
     assert all(abs(a - f) > 1e-3 for (a, _), (f, _) in zip(got, full, strict=True))
 
 
+def test_sentence_loglikelihood_reads_the_sentences_with_the_models_tokenizer(model_dir):
+    policy = "snapkv:projection=sentence"
+    lm = _lm(model_dir, policy=policy, rate=0.6)
+    got = lm.loglikelihood(_requests("loglikelihood", [(PROMPT, c) for c in CHOICES]))
+    for (logprob, greedy), choice in zip(got, CHOICES, strict=True):
+        context, continuation = _pair(lm.tokenizer, PROMPT, choice)
+        spans = kvsieve.sentence_spans(lm.tokenizer, context[0, :-1])
+        cache = kvsieve.compress(lm.model, context[:, :-1], policy, rate=0.6, spans=spans)
+        expected, expected_greedy = _continuation_logprob(lm.model, cache, context, continuation)
+        assert logprob == pytest.approx(expected, abs=1e-4) and greedy == expected_greedy
+
+
 def test_kvzip_generation_is_kvsieve_generate_with_the_tokenizer(model_dir):
     prompts = [PROMPT, CONTEXT[:150]]  # different lengths: one left-padded batch
     requests = _requests("generate_until", [(p, {"until": [], "max_gen_toks": 8}) for p in prompts])
