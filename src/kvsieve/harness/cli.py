@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import torch
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from ..modeling.gates import Horizons
@@ -307,16 +308,20 @@ def ppl(
 
 @app.command()
 def policies() -> None:
-    """List the scorers, the allocators and their parameters."""
-    for title, registry in (("scorers", SCORERS), ("allocators (scorer+allocator)", ALLOCATORS)):
+    """List the scorers, the allocators, the projections and their parameters."""
+    registries = (
+        ("scorers", SCORERS),
+        ("allocators (scorer+allocator)", ALLOCATORS),
+        ("projections (:projection=NAME)", PROJECTIONS),
+    )
+    for title, registry in registries:
         console.rule(title)
         for name, cls in registry.items():
             params = ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(cls))
             doc = (cls.__doc__ or "").strip().splitlines()[0]
-            console.print(f"[bold]{name}[/bold]({params})  {doc}")
+            console.print(f"[bold]{name}[/bold]({params})  {escape(doc)}")
     protection = ", ".join(f"{key}={value}" for key, value in PROTECTION_DEFAULTS.items())
-    projections = ", ".join(PROJECTIONS)
-    console.print(f"every policy also takes {protection} (protected entries) and projection= ({projections})")
+    console.print(f"every policy also takes {protection} (protected entries) and projection= (default topk)")
     console.print("spec: scorer[+allocator][:key=value,...], e.g. snapkv+adaptive:window=16,safeguard=0.3")
 
 
