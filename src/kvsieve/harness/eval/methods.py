@@ -39,6 +39,7 @@ from ...selection.budget import MaxTokens
 from ...selection.observation import Needs
 from ...selection.policy import Policy
 from ...selection.protection import DEFAULT_N_RECENT, DEFAULT_N_SINK, question_protection
+from ...selection.spans import sentence_spans
 from ...selection.storage import FULL_STORAGE, Storage
 from ..data.sample import EncodedSample
 from .margins import Margin, margins
@@ -57,8 +58,8 @@ class Case:
         index: the case's number (seeded scorers draw fresh randomness for each case).
         needs: what the shared observed prefill records (the union of the methods' needs).
         evidence_spans: `[start, end)` context token ranges the answer depends on (for forced slots).
-        spans: a sentence number per token of `ids` (`kvsieve.sentence_spans`), for ``projection=sentence``.
-        tokenizer: the model's, for a method that asks the model to repeat the case (``kvzip``).
+        tokenizer: the model's, for a method that asks the model to repeat the case (``kvzip``) and for the
+            sentences ``projection=sentence`` keeps (`spans`).
     """
 
     ids: torch.Tensor
@@ -66,7 +67,6 @@ class Case:
     index: int = 0
     needs: Needs = field(default_factory=Needs)
     evidence_spans: tuple[tuple[int, int], ...] = ()
-    spans: torch.Tensor | None = None
     tokenizer: Any = None
     _prefill: Prefill | None = field(default=None, init=False, repr=False)
     prefill_seconds: float = field(default=0.0, init=False)
@@ -74,6 +74,11 @@ class Case:
     @property
     def n_question(self) -> int:
         return int(self.ids.shape[1]) - self.n_context
+
+    @functools.cached_property
+    def spans(self) -> torch.Tensor | None:
+        """A sentence number per token of `ids` (`kvsieve.sentence_spans`); None without a tokenizer."""
+        return None if self.tokenizer is None else sentence_spans(self.tokenizer, self.ids[0])
 
     def prefill(self, model: torch.nn.Module) -> Prefill:
         """The case's observed full prefill, run once (timed in `prefill_seconds`)."""
@@ -270,7 +275,8 @@ class KvsievePolicy:
         return question_protection(case.n_context, case.n_question, self.policy.n_recent)
 
     def eviction(self, case: Case, rate: float) -> Eviction:
-        return Eviction(reseeded(self.policy, case.index), rate, self.protect(case), case.spans)
+        spans = case.spans if self.policy.projection.needs_spans else None
+        return Eviction(reseeded(self.policy, case.index), rate, self.protect(case), spans)
 
     def stream(self, model: torch.nn.Module, budget: int | None, buffer: int, seed: int) -> Stream:
         if budget is None:

@@ -25,7 +25,6 @@ import torch
 from ...selection.budget import check_rate
 from ...selection.observation import Needs
 from ...selection.policy import Policy
-from ...selection.spans import sentence_spans
 from ..progress import ProgressCallback
 from ..runners import Runner
 from .contenders import contender
@@ -120,9 +119,7 @@ class PplWork:
 
     def __call__(self, model: torch.nn.Module, tokenizer: Any, document: PplDocument) -> PplScores:
         ids = document.ids.to(model.device)
-        prefix = ids[:, : self.prefix]
-        spans = None if tokenizer is None else sentence_spans(tokenizer, prefix[0])  # for projection=sentence
-        case = Case(prefix, self.prefix, document.index, self.needs, spans=spans, tokenizer=tokenizer)
+        case = Case(ids[:, : self.prefix], self.prefix, document.index, self.needs, tokenizer=tokenizer)
         timers = {"prefill": 0.0, "evict": 0.0, "continuation": 0.0}
 
         @contextmanager

@@ -29,7 +29,6 @@ import torch
 
 from ...selection.budget import check_rate
 from ...selection.observation import Needs
-from ...selection.spans import sentence_spans
 from ..data.sample import EncodedSample, TaskSample, encode
 from ..progress import ProgressCallback
 from ..runners import Runner
@@ -102,11 +101,10 @@ def _configurations(methods: Sequence[CacheMethod], rates: Sequence[float]) -> l
 
 def sample_case(encoded: EncodedSample, mode: str, needs: Needs, tokenizer: Any) -> Case:
     """The case a sample is in one mode: what is prefilled and compressed (see `split_prompt`), its
-    evidence spans and its sentences."""
+    evidence spans and its tokenizer (which gives its sentences)."""
     prefilled, _ = split_prompt(encoded, mode)
-    spans = sentence_spans(tokenizer, prefilled[0])
     sample = encoded.sample
-    return Case(prefilled, encoded.context_length, sample.index, needs, encoded.evidence_spans, spans, tokenizer)
+    return Case(prefilled, encoded.context_length, sample.index, needs, encoded.evidence_spans, tokenizer)
 
 
 def prefill_needs(methods: Sequence[CacheMethod], diagnostics: bool) -> Needs:
