@@ -266,15 +266,17 @@ def test_policy_names_round_trip():
         "snapkv+global:projection=chunk,chunk_size=16",
         "importance+adaptive:n_sink=2,projection=sentence",
         "trimkv+global:projection=sentence,best_tokens=0.1",
+        "trimkv+global:projection=topk",
         "snapkv",
     ]:
         policy = kvsieve.make_policy(spec)
         assert policy.name == spec and kvsieve.make_policy(policy.name).name == policy.name
-    assert kvsieve.make_policy("snapkv:projection=topk,chunk_size=8").name == "snapkv"
+    assert kvsieve.make_policy("snapkv:projection=topk,chunk_size=8").name == "snapkv:projection=topk"
     assert (
         kvsieve.make_policy("snapkv", projection="chunk", chunk_size=4).name == "snapkv:projection=chunk,chunk_size=4"
     )
-    assert isinstance(kvsieve.make_policy("snapkv").projection, TopK)
+    assert kvsieve.make_policy("snapkv").projection is None  # the gates' checkpoint's, else topk
+    assert isinstance(kvsieve.make_policy("snapkv:projection=topk").projection, TopK)
     assert kvsieve.make_policy("snapkv:projection=chunk,chunk_size=3").projection == Chunks(3)
     assert isinstance(kvsieve.make_policy("snapkv:projection=sentence").projection, Sentences)
     assert list(PROJECTIONS) == ["topk", "chunk", "sentence"]
@@ -288,8 +290,10 @@ def test_projection_errors(model, ids):
         kvsieve.make_policy("snapkv:projection=chunk,chunk_size=0")
     with pytest.raises(kvsieve.PolicyError, match="chunk_size is a parameter of projection=chunk"):
         kvsieve.make_policy("snapkv:chunk_size=4")
-    with pytest.raises(kvsieve.PolicyError, match="best_tokens is a parameter of projection=chunk or sentence"):
+    with pytest.raises(kvsieve.PolicyError, match="best_tokens is a parameter of projection=chunk or sentence; the "):
         kvsieve.make_policy("snapkv:best_tokens=0.5")
+    with pytest.raises(kvsieve.PolicyError, match="chunk_size is a parameter of projection=chunk; the policy names "):
+        kvsieve.make_policy("snapkv:projection=sentence,chunk_size=4")
     with pytest.raises(kvsieve.PolicyError, match=r"best_tokens must be a number in \[0, 1\)"):
         kvsieve.make_policy("snapkv:projection=sentence,best_tokens=1")
     with pytest.raises(kvsieve.PolicyError, match="chunk_size='x' is not a valid int"):

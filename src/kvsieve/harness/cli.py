@@ -26,7 +26,7 @@ from ..selection.budget import check_count, check_rate
 from ..selection.projection import PROJECTIONS
 from ..selection.protection import PROTECTION_DEFAULTS
 from ..selection.scorers import SCORERS
-from ..selection.spec import make_policy, split_policies
+from ..selection.spec import make_policy, make_projection, split_policies
 from . import install_hint
 from .data import essay_split, essay_texts, sample_documents
 from .data.sample import TaskSample
@@ -321,7 +321,10 @@ def policies() -> None:
             doc = (cls.__doc__ or "").strip().splitlines()[0]
             console.print(f"[bold]{name}[/bold]({params})  {escape(doc)}")
     protection = ", ".join(f"{key}={value}" for key, value in PROTECTION_DEFAULTS.items())
-    console.print(f"every policy also takes {protection} (protected entries) and projection= (default topk)")
+    console.print(
+        f"every policy also takes {protection} (protected entries) and projection= (default: the one its gates' "
+        "checkpoint records, else topk)"
+    )
     console.print("spec: scorer[+allocator][:key=value,...], e.g. snapkv+adaptive:window=16,safeguard=0.3")
 
 
@@ -749,12 +752,20 @@ def train_gates_command(
         float | None,
         typer.Option(help="how far ahead it reads them in a cache held at a size as it grows (default: --horizon)"),
     ] = None,
+    projection: Annotated[
+        str | None,
+        typer.Option(
+            help="the projection a policy reading the gates picks with if it names none (config.json), "
+            "e.g. sentence,best_tokens=0.1 (default: topk)"
+        ),
+    ] = None,
     device: DeviceOption = "cpu",
     dtype: DtypeOption = "float32",
     budget: Annotated[int | None, typer.Option(hidden=True, help="deprecated: --capacity")] = None,
 ) -> None:
     """Train retention gates (TrimKV / DBTrimKV) for a model on this machine; the model itself is not changed."""
     horizons = _parsed("--horizon / --bounded-horizon", lambda: Horizons(horizon, bounded_horizon))
+    picks = None if projection is None else _parsed("--projection", lambda: make_projection(projection))
     entries, where = _capacity_and_scope(capacity, scope, budget)
     settings = {"capacity": entries, "scope": where, "steps": steps, "seq_len": seq_len, "lam": lam, "ntp": ntp}
     settings |= {"lr": lr, "width": width, "per_task": per_task, "kl_tokens": kl_tokens, "seed": seed}
@@ -770,7 +781,7 @@ def train_gates_command(
     else:
         lengths = config.lengths
         corpus = _parsed("--data", lambda: [corpus_training_data(tokenizer, data, n, config.seed) for n in lengths])
-    gates, record = train_gates(lm, tokenizer, config, out, name, data=corpus, horizons=horizons)
+    gates, record = train_gates(lm, tokenizer, config, out, name, data=corpus, horizons=horizons, projection=picks)
     console.print(f"trained {len(gates.shape.layers)} layers of gates in {record.seconds:.0f} s; wrote {out}")
 
 

@@ -1,6 +1,7 @@
 """Retention-gate checkpoints: `gates.safetensors` plus `config.json`, tied to one model by a hash of its weights.
 
-`config.json` records the gates' shape, the horizons a scorer reads them at by default, the model
+`config.json` records the gates' shape, the horizons a scorer reads them at by default, the
+projection a policy reading them picks with when it names none (if any; `Policy.select`), the model
 (name and weights hash) and how they were trained (`TrainRecord`). Loading checks the shape and the
 model: gates for another model, or for other dimensions, are a clear error. Checkpoints shipped with
 kvsieve live in `kvsieve/selection/checkpoints/<name>/` and load by that name; ``"default"`` picks the
@@ -21,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from ..modeling.fingerprint import model_fingerprint
 from ..modeling.gates import GateShape, Horizons, RetentionGates, gate_shape
 from .allocators import ALLOCATORS
+from .projection import from_record, projection_record
 
 WEIGHTS_FILE = "gates.safetensors"
 CONFIG_FILE = "config.json"
@@ -65,7 +67,8 @@ def save_gates(gates: RetentionGates, record: TrainRecord, out: str | Path) -> P
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous() for k, v in gates.state_dict().items()}, str(out / WEIGHTS_FILE))
     horizons = {"horizon": _as_json(gates.horizons.once), "bounded_horizon": _as_json(gates.horizons.bounded)}
-    config = {"shape": gates.shape.to_dict(), **horizons, "train": asdict(record)}
+    projection = {} if gates.projection is None else {"projection": projection_record(gates.projection)}
+    config = {"shape": gates.shape.to_dict(), **horizons, **projection, "train": asdict(record)}
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out
 
@@ -89,7 +92,8 @@ def read_gates(folder: str | Path) -> tuple[RetentionGates, TrainRecord]:
     config = json.loads((folder / CONFIG_FILE).read_text())
     try:
         horizons = Horizons(config.get("horizon", 0.0), config.get("bounded_horizon"))
-        gates = RetentionGates(GateShape.from_dict(config["shape"]), horizons=horizons)
+        projection = None if "projection" not in config else from_record(config["projection"])
+        gates = RetentionGates(GateShape.from_dict(config["shape"]), horizons=horizons, projection=projection)
     except ValueError as err:
         raise GateCheckpointError(f"{folder / CONFIG_FILE}: {err}") from None
     try:

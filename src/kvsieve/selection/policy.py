@@ -4,6 +4,7 @@ stored)."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -43,6 +44,8 @@ class Policy:
     hold the same bytes. The projection (`kvsieve.selection.projection`) picks each (layer,
     kv-head)'s entries from its scores and its count: `TopK` (entry by entry), `Chunks` (whole
     chunks of token positions, ChunkKV, arXiv 2502.00299) or `Sentences` (whole caller-given spans).
+    None (a spec that names none): the one the checkpoint of the gates the scorer reads records
+    (`Needs.gates`, `RetentionGates.projection`), else `TopK`.
     The first `n_sink` entries and the last `n_recent` of every head are never evicted. `storage`
     (`kvsieve.selection.storage`) says how the kept entries are stored (``kv_bits=4``); `select` does not
     read it (its caller passes the bytes an entry is stored in), the runtime stores them so.
@@ -50,7 +53,7 @@ class Policy:
 
     scorer: Scorer
     allocator: Allocator = field(default_factory=Uniform)
-    projection: Projection = field(default_factory=TopK)
+    projection: Projection | None = None
     n_sink: int = DEFAULT_N_SINK
     n_recent: int = DEFAULT_N_RECENT
     storage: Storage = FULL_STORAGE
@@ -66,7 +69,7 @@ class Policy:
         params = [*non_defaults(self.scorer), *non_defaults(self.allocator)]
         protection = {key: getattr(self, key) for key in PROTECTION_DEFAULTS}
         params += [f"{key}={value}" for key, value in protection.items() if value != PROTECTION_DEFAULTS[key]]
-        if self.projection.name != TopK.name:
+        if self.projection is not None:
             params += [f"projection={self.projection.name}", *non_defaults(self.projection)]
         params += [f"{key}={value}" for key, value in self.storage.parameters().items()]
         return f"{head}:{','.join(params)}" if params else head
@@ -75,6 +78,17 @@ class Policy:
     def needs(self) -> Needs:
         """What the observed prefill must record for this policy."""
         return self.scorer.needs
+
+    @property
+    def needs_spans(self) -> bool:
+        """Whether the projection it names keeps caller-given spans (and refuses to run without them)."""
+        return self.projection is not None and self.projection.needs_spans
+
+    @property
+    def reads_spans(self) -> bool:
+        """Whether `select` may read spans: its projection keeps them, or it names none and its scorer reads
+        gates, whose checkpoint may record one that does."""
+        return self.needs_spans or (self.projection is None and bool(self.needs.gates))
 
     @torch.no_grad()
     def select(
@@ -91,8 +105,10 @@ class Policy:
         already have set aside what sliding-window layers hold (`Budget.reserve`). `spans`
         (`[n_tokens]`, a span id per token position of the sequence, e.g. its sentence number) is
         what the `Sentences` projection keeps whole; positions past its end are spans of their own.
-        Other projections ignore it. Each head keeps exactly the allocator's count of evictable entries;
-        when the budget keeps every one of them (a prompt that fits a size), nothing is scored.
+        Other projections ignore it; a projection the gates' checkpoint records for a policy that names
+        none falls back to `TopK`, with a warning, when `spans` is None. Each head keeps exactly the
+        allocator's count of evictable entries; when the budget keeps every one of them (a prompt that
+        fits a size), nothing is scored.
         `entry_bytes`: the bytes one entry will be stored in, which a byte budget counts (a quantized
         cache: codes and scales); default: the observed keys' and values' dtype.
         """
@@ -111,12 +127,28 @@ class Policy:
         shares = budget.shares(evictable, protected, stored)
         if _keeps_everything(evictable, shares):
             return [[o.valid_mask[h].nonzero().flatten() for h in range(o.num_kv_heads)] for o in observations]
+        projection = self._projection(observations[0], spans)
         scores = [self._scores(o) for o in observations]
         counts = self.allocator.counts(scores, evictable, shares, calibrated=self.scorer.calibrated)
         return [
-            self.projection.pick(s, p, e, c, o.positions, spans)
+            projection.pick(s, p, e, c, o.positions, spans)
             for o, s, p, e, c in zip(observations, scores, protected, evictable, counts, strict=True)
         ]
+
+    def _projection(self, obs: Observation, spans: torch.Tensor | None) -> Projection:
+        """The projection it names; else the one its gates' checkpoint records (`Needs.gates`); else `TopK`."""
+        if self.projection is not None:
+            return self.projection
+        for source in self.needs.gates:
+            gates = obs.facts.gates.get(source)
+            recorded = None if gates is None else gates.projection
+            if recorded is None:
+                continue
+            if recorded.needs_spans and spans is None:
+                warnings.warn(_unused(source, recorded), UserWarning, stacklevel=3)
+                break
+            return recorded
+        return TopK()
 
     def _scores(self, obs: Observation) -> torch.Tensor:
         """The scorer's scores of one layer, checked for shape."""
@@ -127,6 +159,17 @@ class Policy:
                 f"expected {(obs.num_kv_heads, obs.length)}"
             )
         return scores
+
+
+def _unused(source: str, recorded: Projection) -> str:
+    """Why a projection the gates' checkpoint records is not used: it keeps spans, and none were given."""
+    spec = ",".join([f"projection={recorded.name}", *non_defaults(recorded)])
+    return (
+        f"the retention gates {source!r} record {spec} for a policy that names no projection, which keeps whole "
+        "sentences, and no spans were given: this eviction keeps entries one by one (projection=topk). Pass "
+        "tokenizer= (or spans=) to kvsieve.compress, kvsieve.generate or model.generate to use it, or name "
+        "projection=topk in the policy to keep this without the warning"
+    )
 
 
 def _keeps_everything(evictable: Sequence[torch.Tensor], shares: Sequence[Sequence[int]]) -> bool:

@@ -23,7 +23,8 @@ and 15% in whole sentences.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -150,6 +151,25 @@ class Sentences:
 
 
 PROJECTIONS: dict[str, type] = {cls.name: cls for cls in (TopK, Chunks, Sentences)}
+
+
+def projection_record(projection: Projection) -> dict[str, object]:
+    """A projection as plain data, as a gate checkpoint records it: ``{"name": "sentence", "best_tokens": 0.1}``."""
+    return {"name": projection.name, **dataclasses.asdict(projection)}
+
+
+def from_record(record: Mapping[str, object]) -> Projection:
+    """The projection of `projection_record`'s data, or a `PolicyError` that names what is wrong with it."""
+    if not isinstance(record, Mapping):
+        raise PolicyError(f"a projection is recorded as {{'name': ..., parameters}}, got {record!r}")
+    params = dict(record)
+    name = params.pop("name", None)
+    if name not in PROJECTIONS:
+        raise PolicyError(f"unknown projection {name!r}; known: {', '.join(PROJECTIONS)}")
+    try:
+        return PROJECTIONS[name](**params)
+    except TypeError as err:
+        raise PolicyError(f"projection {name}: {err}") from None
 
 
 def check_best_tokens(fraction: float) -> None:

@@ -53,24 +53,39 @@ def _text_parameters(text: str) -> dict[str, str]:
     return given
 
 
-def _projection(given: dict[str, object]) -> Projection:
-    """The projection the parameters name (``topk`` by default), with its own parameters.
+def _projection(given: dict[str, object]) -> Projection | None:
+    """The projection the parameters name, with its own parameters; None if they name none (`Policy.projection`).
 
     A parameter of another projection is an error unless it has that projection's default value.
     """
-    choice = given.pop("projection", TopK.name)
-    if not isinstance(choice, str):  # a Projection object
+    choice = given.pop("projection", None)
+    if choice is not None and not isinstance(choice, str):  # a Projection object
         return choice
-    if choice not in PROJECTIONS:
+    if choice is not None and choice not in PROJECTIONS:
         raise PolicyError(f"unknown projection {choice!r}; known: {', '.join(PROJECTIONS)}")
-    own = _defaults(PROJECTIONS[choice])
+    own = {} if choice is None else _defaults(PROJECTIONS[choice])
     for key, value in given.items():
         if key in own:
             continue
         owners = [name for name, cls in PROJECTIONS.items() if key in _defaults(cls)]
         if value != _defaults(PROJECTIONS[owners[0]])[key]:
-            raise PolicyError(f"{key} is a parameter of projection={' or '.join(owners)}, not of projection={choice}")
-    return PROJECTIONS[choice](**{k: v for k, v in given.items() if k in own})
+            named = "no projection" if choice is None else f"projection={choice}"
+            raise PolicyError(f"{key} is a parameter of projection={' or '.join(owners)}; the policy names {named}")
+    return None if choice is None else PROJECTIONS[choice](**{k: v for k, v in given.items() if k in own})
+
+
+def make_projection(text: str) -> Projection:
+    """A projection from ``"name[,key=value,...]"``, e.g. ``"sentence,best_tokens=0.1"`` (what follows ``projection=``
+    in a policy spec), or a `PolicyError` that names the problem."""
+    given: dict[str, object] = dict(_text_parameters(f"projection={text}"))
+    defaults = {key: value for cls in PROJECTIONS.values() for key, value in _defaults(cls).items()}
+    for key in given:
+        if key != "projection" and key not in defaults:
+            raise PolicyError(f"unknown projection parameter {key!r}; valid: {', '.join(defaults)}")
+    converted = {
+        key: value if key == "projection" else _convert(value, defaults[key], key) for key, value in given.items()
+    }
+    return _projection(converted)
 
 
 def _names(spec: str, allocator: str | None) -> tuple[str, str, str]:
@@ -117,7 +132,8 @@ def make_policy(spec: str | Policy, allocator: str | None = None, **params: obje
         params: override the spec's; keys are the scorer's and the allocator's fields plus `n_sink`,
             `n_recent`, `projection` (``topk``, ``chunk``, ``sentence``, or a `Projection`) and the
             projection's own (`chunk_size` for ``chunk``; `best_tokens` for ``chunk`` and ``sentence``), e.g.
-            ``"snapkv+global:projection=chunk,chunk_size=16"``.
+            ``"snapkv+global:projection=chunk,chunk_size=16"``; none named: the one the checkpoint of the
+            gates the scorer reads records, else ``topk`` (`Policy.projection`).
             The deprecated `budget` (the allocator) and `sliding_window` (`n_recent`) still work, with a warning.
             The storage keys `kv_bits`, `kv_group`, `kv_residual`, `kv_codec` (`kvsieve.selection.storage.Storage`) may
             also be given with a `Policy`; one the spec (or the `Policy`) sets to another value is an error,

@@ -49,7 +49,7 @@ def unservable(policy: Policy) -> list[str]:
             f"the {policy.allocator.name} allocator: its heads keep different counts, and vLLM's blocks free memory "
             "only when every (layer, kv-head) keeps the same count (use the uniform allocator)"
         )
-    if policy.projection.needs_spans:
+    if policy.needs_spans:
         why.append(f"the {policy.projection.name} projection's spans, which a vLLM request does not carry")
     if policy.storage != FULL_STORAGE:
         why.append("kvsieve's own storage (kv_bits, kv_codec); vLLM stores entries in --kv-cache-dtype")

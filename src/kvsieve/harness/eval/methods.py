@@ -275,7 +275,7 @@ class KvsievePolicy:
         return question_protection(case.n_context, case.n_question, self.policy.n_recent)
 
     def eviction(self, case: Case, rate: float) -> Eviction:
-        spans = case.spans if self.policy.projection.needs_spans else None
+        spans = case.spans if self.policy.reads_spans else None
         return Eviction(reseeded(self.policy, case.index), rate, self.protect(case), spans)
 
     def stream(self, model: torch.nn.Module, budget: int | None, buffer: int, seed: int) -> Stream:

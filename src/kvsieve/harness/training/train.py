@@ -28,6 +28,7 @@ from ...modeling.fingerprint import model_fingerprint
 from ...modeling.gates import DEFAULT_BIAS_INIT, DEFAULT_WIDTH, NEXT_STEP, Horizons, RetentionGates, gate_shape
 from ...modeling.rotary import find_rotary
 from ...selection.checkpoint import TrainRecord, save_gates
+from ...selection.projection import Projection
 from ..progress import progress_bar
 from .data import TRAINING_TASKS, TrainingData, training_data, training_tasks
 from .kvzip_target import KEEP_ENTRIES, check_capacity, kvzip_step
@@ -318,11 +319,13 @@ def train_gates(
     data: TrainingData | list[TrainingData] | None = None,
     show_progress: bool = True,
     horizons: Horizons = NEXT_STEP,
+    projection: Projection | None = None,
 ) -> tuple[RetentionGates, TrainRecord]:
     """Train gates for `model` and write the checkpoint to `out` (resuming a run saved there).
 
     `data`: the sequences, or one `TrainingData` per curriculum phase (default: the bundled data at each length).
-    `horizons`: what the checkpoint records for scorers to read the gates at (training does not use them).
+    `horizons` and `projection`: what the checkpoint records for scorers to read the gates at and for policies that
+    name no projection to pick with (`RetentionGates`; training uses neither).
     """
     check_training(model, tokenizer, config)
     phases = phase_data(tokenizer, config, data)
@@ -330,7 +333,8 @@ def train_gates(
     out.mkdir(parents=True, exist_ok=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        gates = RetentionGates(gate_shape(model, config.width), config.bias_init, horizons).to(model.device)
+        shape = gate_shape(model, config.width)
+        gates = RetentionGates(shape, config.bias_init, horizons, projection).to(model.device)
     optimizer = torch.optim.Adam(gates.parameters(), lr=config.lr)
     step, seconds = _resume(out, config, gates, optimizer)
     cos, sin = find_rotary(model)(torch.arange(max(config.lengths), device=model.device))

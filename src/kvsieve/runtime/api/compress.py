@@ -164,10 +164,10 @@ def compress_with(
     codec = storage_codec(policy.storage, model) if codec is None else codec
     protect_positions = protected_positions(protect_positions, input_ids.shape[-1])
     refuse_unevictable(model, budget)
-    if spans is None and tokenizer is not None and policy.projection.needs_spans:
+    if spans is None and tokenizer is not None and policy.reads_spans:
         spans = sentence_spans(tokenizer, input_ids)
     row_spans = spans_per_row(spans, input_ids, attention_mask)
-    if policy.projection.needs_spans and row_spans is None:
+    if policy.needs_spans and row_spans is None:
         raise PolicyError(MISSING_SPANS)
     if question_ids is not None:
         input_ids, protected = _with_question(model, input_ids, attention_mask, question_ids, policy.n_recent)

@@ -136,7 +136,7 @@ def generate_compressed(
     if question_ids is not None:
         check_input_ids(model, question_ids, "question_ids")
     tokenizer = generate_kwargs.get("tokenizer")
-    if policy.projection.needs_spans and options.spans is None and tokenizer is None:
+    if policy.needs_spans and options.spans is None and tokenizer is None:
         raise PolicyError(MISSING_SPANS)
     if buffer is not None and not budget.is_size:
         raise PolicyError(BUFFER_NEEDS_SIZE)

@@ -149,7 +149,7 @@ class BoundedGrowth:
 
     def __post_init__(self) -> None:
         check_count("buffer", self.buffer)
-        if self.policy.projection.needs_spans and self.spans is None:
+        if self.policy.needs_spans and self.spans is None:
             raise PolicyError(MISSING_SPANS)
 
     @property
