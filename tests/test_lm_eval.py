@@ -238,8 +238,10 @@ def test_kvzip_loglikelihood_equals_compress_with_the_tokenizer_then_a_forward(m
 
 
 def test_sentence_loglikelihood_reads_the_sentences_with_the_models_tokenizer(model_dir):
-    policy = "snapkv:projection=sentence"
+    """The policy's parameters come through lm-eval's comma split as arguments of their own and join its spec."""
+    policy = "snapkv:projection=sentence,best_tokens=0.1"
     lm = _lm(model_dir, policy=policy, rate=0.6)
+    assert lm.args.policy == policy and lm.config.resolved.name == policy
     got = lm.loglikelihood(_requests("loglikelihood", [(PROMPT, c) for c in CHOICES]))
     for (logprob, greedy), choice in zip(got, CHOICES, strict=True):
         context, continuation = _pair(lm.tokenizer, PROMPT, choice)
@@ -341,6 +343,8 @@ def test_registering_kvsieve_hides_none_of_lm_evals_model_types(first):
         ({"rate": 0.5}, ValueError, "needs policy="),
         ({"policy": "snapkv", "rate": 0.5, "max_tokens": 64}, PolicyError, "rate"),
         ({"policy": "full", "rate": 0.5}, PolicyError, "keeps every entry"),
+        ({"policy": "full", "projection": "sentence"}, PolicyError, "takes no policy parameters"),
+        ({"policy": "snapkv", "rate": 0.5, "best_tokens": 0.1}, PolicyError, "best_tokens is a parameter of"),
         ({"policy": "snapkv", "rate": 0.5, "colour": "red"}, ValueError, "unknown argument"),
         ({"policy": "snapkv", "rate": 0.5, "device": "cuda:3"}, ValueError, "device"),
         ({"policy": "snapkv", "rate": 0.5, "dtype": "int3"}, ValueError, "unknown dtype"),

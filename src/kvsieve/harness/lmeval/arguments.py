@@ -9,6 +9,7 @@ from typing import Any
 from ...runtime.api.config import EvictionConfig
 from ...runtime.eviction.growth import DEFAULT_BUFFER
 from ...selection.errors import PolicyError
+from ...selection.spec import policy_keywords
 from ..models import torch_device, torch_dtype
 
 #: The policy that keeps every entry: the model type's own full-cache baseline.
@@ -39,13 +40,28 @@ class ModelArgs:
 
     @classmethod
     def parse(cls, given: dict[str, Any]) -> ModelArgs:
-        """`ModelArgs` from lm-eval's parsed `model_args`, or a `ValueError` that names the problem."""
+        """`ModelArgs` from lm-eval's parsed `model_args`, or a `ValueError` that names the problem.
+
+        lm-eval splits `model_args` at every comma, so a policy's parameters come as arguments of their own
+        (``policy=trimkv+global,projection=sentence,best_tokens=0.1``): they join the policy's spec.
+        """
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(given) - known)
+        params = {key: value for key, value in given.items() if key not in known and key in policy_keywords()}
+        unknown = sorted(set(given) - known - set(params))
         if unknown:
-            raise ValueError(f"model_args: unknown argument(s) {unknown}; kvsieve takes pretrained, {sorted(known)}")
+            raise ValueError(
+                f"model_args: unknown argument(s) {unknown}; kvsieve takes pretrained, {sorted(known)} and the "
+                "policy's parameters (kvsieve policies)"
+            )
         if given.get("policy") in (None, ""):
             raise ValueError(f"model_args needs policy= (a kvsieve policy such as trimkv+global, or {FULL})")
+        given = {key: value for key, value in given.items() if key not in params}
+        if params:
+            if str(given["policy"]) == FULL:
+                raise PolicyError(f"policy={FULL} keeps every entry: it takes no policy parameters {sorted(params)}")
+            joined = ",".join(f"{key}={_text(value)}" for key, value in params.items())
+            policy = str(given["policy"])
+            given["policy"] = f"{policy}{',' if ':' in policy else ':'}{joined}"
         args = cls(**given)
         args.check()
         return args
@@ -85,6 +101,11 @@ class ModelArgs:
             kv_group=self.kv_group,
             kv_residual=self.kv_residual,
         )
+
+
+def _text(value: object) -> str:
+    """A parameter's value as a policy spec writes it (lm-eval has turned "true" into True)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def with_lm_eval_options(model_args: dict[str, Any], options: dict[str, Any] | None) -> dict[str, Any]:
