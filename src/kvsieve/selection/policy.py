@@ -145,7 +145,7 @@ class Policy:
             if recorded is None:
                 continue
             if recorded.needs_spans and spans is None:
-                warnings.warn(_unused(source, recorded), UserWarning, stacklevel=3)
+                warnings.warn(_unused(source, recorded), UserWarning, stacklevel=4)  # past torch.no_grad
                 break
             return recorded
         return TopK()
