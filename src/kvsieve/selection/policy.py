@@ -35,6 +35,11 @@ def non_defaults(obj: object) -> list[str]:
     ]
 
 
+def projection_parameters(projection: Projection) -> list[str]:
+    """A projection as a policy spec names it: `projection=NAME` and its parameters that differ from the defaults."""
+    return [f"projection={projection.name}", *non_defaults(projection)]
+
+
 @dataclass(frozen=True)
 class Policy:
     """Which entries to keep: a scorer, an allocator, a projection and the protection rule.
@@ -70,7 +75,7 @@ class Policy:
         protection = {key: getattr(self, key) for key in PROTECTION_DEFAULTS}
         params += [f"{key}={value}" for key, value in protection.items() if value != PROTECTION_DEFAULTS[key]]
         if self.projection is not None:
-            params += [f"projection={self.projection.name}", *non_defaults(self.projection)]
+            params += projection_parameters(self.projection)
         params += [f"{key}={value}" for key, value in self.storage.parameters().items()]
         return f"{head}:{','.join(params)}" if params else head
 
@@ -163,7 +168,7 @@ class Policy:
 
 def _unused(source: str, recorded: Projection) -> str:
     """Why a projection the gates' checkpoint records is not used: it keeps spans, and none were given."""
-    spec = ",".join([f"projection={recorded.name}", *non_defaults(recorded)])
+    spec = ",".join(projection_parameters(recorded))
     return (
         f"the retention gates {source!r} record {spec} for a policy that names no projection, which keeps whole "
         "sentences, and no spans were given: this eviction keeps entries one by one (projection=topk). Pass "
