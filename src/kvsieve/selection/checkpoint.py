@@ -11,6 +11,7 @@ shipping under another name, for comparison).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -66,7 +67,7 @@ def save_gates(gates: RetentionGates, record: TrainRecord, out: str | Path) -> P
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous() for k, v in gates.state_dict().items()}, str(out / WEIGHTS_FILE))
-    horizons = {"horizon": _as_json(gates.horizons.once), "bounded_horizon": _as_json(gates.horizons.bounded)}
+    horizons = _horizons_record(gates)
     projection = {} if gates.projection is None else {"projection": projection_record(gates.projection)}
     config = {"shape": gates.shape.to_dict(), **horizons, **projection, "train": asdict(record)}
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -75,6 +76,11 @@ def save_gates(gates: RetentionGates, record: TrainRecord, out: str | Path) -> P
 
 def _as_json(horizon: float) -> float | str:
     return horizon if math.isfinite(horizon) else "inf"  # JSON has no infinity
+
+
+def _horizons_record(gates: RetentionGates) -> dict[str, float | str]:
+    """The horizons as `config.json` records them."""
+    return {"horizon": _as_json(gates.horizons.once), "bounded_horizon": _as_json(gates.horizons.bounded)}
 
 
 def read_gates(folder: str | Path) -> tuple[RetentionGates, TrainRecord]:
@@ -101,6 +107,18 @@ def read_gates(folder: str | Path) -> tuple[RetentionGates, TrainRecord]:
     except RuntimeError as err:
         raise GateCheckpointError(f"{folder}: the weights do not match config.json: {err}") from None
     return gates.eval().requires_grad_(False), TrainRecord.from_dict(config["train"])
+
+
+def gates_fingerprint(gates: RetentionGates) -> str:
+    """12 hex digits of a SHA-256 over all that decides what a policy reading `gates` keeps: the weights, the
+    horizons and the recorded projection (not the training record: gates trained again bit for bit match)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(gates.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    projection = None if gates.projection is None else projection_record(gates.projection)
+    digest.update(json.dumps(_horizons_record(gates) | {"projection": projection}, sort_keys=True).encode())
+    return digest.hexdigest()[:12]
 
 
 def shipped_checkpoints() -> list[Path]:

@@ -38,6 +38,7 @@ from ..runners import Runner
 from .answers import judge
 from .attribution import attribute, missed_evidence, routed, span_states
 from .forced import ForcedSlots
+from .gate_records import gates_made_by
 from .logged_cells import run_logged
 from .methods import FULL, CacheMethod, Case, Compressed, FullCache, KvsievePolicy, build
 from .results_log import ResultsLog
@@ -291,7 +292,7 @@ def run_diagnostic(
     rates, modes = [check_rate(r) for r in rates], check_modes(modes)
     methods = diagnostic_methods(list(dict.fromkeys([ATTENTION_MASS, *scalars])), contract)
     needs = prefill_needs([e.method for e in methods.values()], diagnostics=True) | SWAP_OUT.needs
-    log = ResultsLog(results, row_key)
+    log = ResultsLog(results, row_key, gates_made_by(runner, {n: e.method for n, e in methods.items()}))
     grid = [(FULL, 0.0)] + [(name, rate) for rate in rates for name in methods]
     cells = []
     for sample in samples:

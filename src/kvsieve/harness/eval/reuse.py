@@ -30,6 +30,7 @@ from ..data.sample import EncodedSample, TaskSample, encode
 from ..progress import ProgressCallback
 from ..runners import Runner
 from .contenders import parse_contenders
+from .gate_records import gates_made_by
 from .logged_cells import run_logged
 from .methods import CacheMethod, Compressed, Configuration, build, passes
 from .respond import Response, fork
@@ -158,14 +159,14 @@ def run_reuse(
     rates = [check_rate(r) for r in rates]
     grid = [(m.name, 0.0 if m.is_full else r, "context") for m in agnostic for r in ([0.0] if m.is_full else rates)]
     grid += [(m.name, r, "first_question") for m in aware for r in rates]
-    log = ResultsLog(results, row_key)
+    methods = {m.name: m for m in [*agnostic, *aware]}
+    log = ResultsLog(results, row_key, gates_made_by(runner, methods))
     cells = []
     for questions in question_sets:
         key = context_key(questions)
         todo = tuple(c for c in grid if (key, 0, c[2], c[0], c[1]) not in log)  # a cell's rows are logged together
         if todo:
             cells.append(ReuseCell(tuple(questions), todo))
-    methods = {m.name: m for m in [*agnostic, *aware]}
     total = len(grid) * sum(len(q) for q in question_sets)
     run_logged(runner, ReuseWork(methods, chat, rows_per_pass), cells, log, total, progress)
     return pd.DataFrame(log.rows)

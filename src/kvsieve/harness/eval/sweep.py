@@ -34,6 +34,7 @@ from ..progress import ProgressCallback
 from ..runners import Runner
 from .answers import judge
 from .contenders import parse_contenders
+from .gate_records import gates_made_by
 from .logged_cells import run_logged
 from .methods import CacheMethod, Case, Configuration, build, passes
 from .respond import Response
@@ -266,7 +267,7 @@ def run_sweep(
     modes = check_modes(modes)
     if rows_per_pass < 1:
         raise ValueError(f"rows_per_pass must be >= 1, got {rows_per_pass}")
-    log = ResultsLog(results, row_key)
+    log = ResultsLog(results, row_key, gates_made_by(runner, {m.name: m for m in methods}))
     grid = [(m.name, r) for m, r in _configurations(methods, rates)]
     cells = []
     for sample in samples:

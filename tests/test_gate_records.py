@@ -1,0 +1,79 @@
+"""Rows record the retention gates their policy read; a resumed run refuses rows made with other gates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvsieve.harness.eval.results_log import ResultsLog, StaleRowsError, read_rows
+from kvsieve.harness.eval.sweep import run_sweep
+from kvsieve.harness.runners import LocalRunner
+from kvsieve.modeling.gates import Horizons, RetentionGates, gate_shape
+from kvsieve.selection.checkpoint import TrainRecord, gates_fingerprint, model_fingerprint, read_gates, save_gates
+from kvsieve.selection.projection import Sentences
+from test_sweep import make_sample
+
+
+def _save(model: torch.nn.Module, folder: Path, seed: int = 0, seconds: float = 1.0, **settings: object) -> str:
+    """Random gates for `model` (drawn from `seed`), saved to `folder`; the folder as a string."""
+    torch.manual_seed(seed)
+    gates = RetentionGates(gate_shape(model, width=8), **settings)
+    torch.nn.init.normal_(gates.scoring.weight)
+    record = TrainRecord("tiny", model_fingerprint(model), 8, "global", 1.0, 3, 48, seed, {}, seconds)
+    return str(save_gates(gates, record, folder))
+
+
+def _fingerprint(folder: str) -> str:
+    return gates_fingerprint(read_gates(folder)[0])
+
+
+def test_the_fingerprint_follows_what_decides_the_picks(lm, tmp_path):
+    """Weights, horizons and the recorded projection change it; the training record (its time) does not."""
+    base = _fingerprint(_save(lm, tmp_path / "base"))
+    assert len(base) == 12 and base == _fingerprint(_save(lm, tmp_path / "slower", seconds=99.0))
+    changed = [
+        _save(lm, tmp_path / "seed", seed=1),
+        _save(lm, tmp_path / "projection", projection=Sentences(best_tokens=0.1)),
+        _save(lm, tmp_path / "horizon", horizons=Horizons(128.0)),
+        _save(lm, tmp_path / "bounded", horizons=Horizons(0.0, float("inf"))),
+    ]
+    fingerprints = [_fingerprint(folder) for folder in changed]
+    assert base not in fingerprints and len(set(fingerprints)) == len(fingerprints)
+
+
+def test_a_log_stamps_new_rows_and_refuses_rows_made_otherwise(tmp_path):
+    path = tmp_path / "rows.jsonl"
+
+    def made_by(gates: str):
+        return lambda row: {"gates": gates} if row["policy"] == "trimkv" else {}
+
+    log = ResultsLog(path, lambda row: row["policy"], made_by("default=aaa"))
+    log.extend([{"policy": "trimkv", "x": 1}, {"policy": "random", "x": 2}])
+    assert [row.get("gates") for row in read_rows(path)] == ["default=aaa", None]
+    assert "trimkv" in ResultsLog(path, lambda row: row["policy"], made_by("default=aaa"))
+    with pytest.raises(StaleRowsError, match=r"holds 1 rows made otherwise.*'default=aaa'.*'default=bbb'"):
+        ResultsLog(path, lambda row: row["policy"], made_by("default=bbb"))
+    path.write_text(json.dumps({"policy": "trimkv", "x": 1}) + "\n")  # a row from before rows recorded gates
+    with pytest.raises(StaleRowsError, match=r"not recorded"):
+        ResultsLog(path, lambda row: row["policy"], made_by("default=aaa"))
+
+
+def test_a_resumed_sweep_refuses_rows_of_retrained_gates(lm, tok, tmp_path):
+    """Gates trained again in the same folder keep the policy's name: the rows they made before are an error,
+    not rows silently mixed in; the rows of policies that read no gates stay usable."""
+    path, folder = tmp_path / "results.jsonl", _save(lm, tmp_path / "gates")
+    spec = f"trimkv+global:gates={folder}"
+    rows = run_sweep(LocalRunner(lm, tok), [make_sample(0)], [spec, "random"], [0.5], results=path)
+    gates = rows.set_index("policy")["gates"]
+    assert gates[spec] == f"{folder}={_fingerprint(folder)}" and gates[["random", "full"]].isna().all()
+    run_sweep(LocalRunner(lm, tok), [make_sample(0)], [spec, "random"], [0.5], results=path)
+    assert len(read_rows(path)) == 3  # the same gates: resumed, nothing made again
+
+    _save(lm, tmp_path / "gates", seed=1)  # trained again in place
+    with pytest.raises(StaleRowsError, match=rf"{path.name} holds 1 rows made otherwise.*trimkv\+global"):
+        run_sweep(LocalRunner(lm, tok), [make_sample(0)], [spec], [0.5], results=path)
+    again = run_sweep(LocalRunner(lm, tok), [make_sample(0), make_sample(1)], ["random"], [0.5], results=path)
+    assert len(again) == 5 and len(read_rows(path)) == 5
