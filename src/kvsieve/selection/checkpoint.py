@@ -67,9 +67,8 @@ def save_gates(gates: RetentionGates, record: TrainRecord, out: str | Path) -> P
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous() for k, v in gates.state_dict().items()}, str(out / WEIGHTS_FILE))
-    horizons = _horizons_record(gates)
     projection = {} if gates.projection is None else {"projection": projection_record(gates.projection)}
-    config = {"shape": gates.shape.to_dict(), **horizons, **projection, "train": asdict(record)}
+    config = {"shape": gates.shape.to_dict(), **_horizons_record(gates), **projection, "train": asdict(record)}
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out
 
