@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
 
+from kvsieve.harness.cli import app
 from kvsieve.harness.eval.results_log import ResultsLog, StaleRowsError, read_rows
 from kvsieve.harness.eval.sweep import run_sweep
 from kvsieve.harness.runners import LocalRunner
@@ -77,3 +80,15 @@ def test_a_resumed_sweep_refuses_rows_of_retrained_gates(lm, tok, tmp_path):
         run_sweep(LocalRunner(lm, tok), [make_sample(0)], [spec], [0.5], results=path)
     again = run_sweep(LocalRunner(lm, tok), [make_sample(0), make_sample(1)], ["random"], [0.5], results=path)
     assert len(again) == 5 and len(read_rows(path)) == 5
+
+
+def test_the_sweep_command_names_out_for_rows_of_other_gates(model_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    gates, out = _save(model, tmp_path / "gates"), tmp_path / "sweep"
+    args = ["sweep", "--model", str(model_dir), "--tasks", "base", "--policies", f"trimkv+global:gates={gates}"]
+    args += ["--rates", "0.5", "--samples", "1", "--length", "256", "--out", str(out), "--no-maps"]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    _save(model, tmp_path / "gates", seed=1)
+    result = CliRunner().invoke(app, args)
+    said = " ".join(result.output.replace("│", " ").split())  # the error panel wraps long lines
+    assert result.exit_code == 2 and "--out" in said and "rows made otherwise" in said and "Traceback" not in said

@@ -46,6 +46,7 @@ from .eval.contract_diagnostic import (
 )
 from .eval.diagnostic_tables import worked_case
 from .eval.methods import CacheMethod, KvsievePolicy
+from .eval.results_log import StaleRowsError
 from .eval.streaming import (
     BUCKET,
     DOC_TOKENS,
@@ -89,6 +90,15 @@ def _parsed(hint: str, parse: Callable[[], Any]) -> Any:
         return parse()
     except ValueError as err:
         raise typer.BadParameter(str(err), param_hint=hint) from None
+
+
+@contextmanager
+def _resuming() -> Iterator[None]:
+    """A results log in --out that holds rows made otherwise (`StaleRowsError`) is an error naming --out."""
+    try:
+        yield
+    except StaleRowsError as err:
+        raise typer.BadParameter(str(err), param_hint="--out") from None
 
 
 DeviceOption = Annotated[str, typer.Option(help="where the model runs: cpu, cuda, cuda:1, mps")]
@@ -490,7 +500,7 @@ def sweep(
     (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
     with open_runner(choice, ray, workers, cpus_per_worker) as (runner, tokenizer):
         items = task_samples(task_names, tokenizer, length=length, n=samples, seed=seed, chat=chat)
-        with progress_bar("sweep: prefill once per sample, sieve many") as progress:
+        with progress_bar("sweep: prefill once per sample, sieve many") as progress, _resuming():
             rows = run_sweep(
                 runner, items, [c.name for c in contenders], rate_list, mode_list,
                 results=out / RESULTS_FILE, chat=chat, progress=progress,
@@ -570,7 +580,7 @@ def diagnose(
         settings = {**choice.describe(), "tasks": task_names, "scalars": scalar_list, "rates": rate_list}
         settings |= {"modes": mode_list, "contract": contract, "samples": samples, "length": length, "seed": seed}
         (out / DIAGNOSTIC_MANIFEST).write_text(json.dumps(settings, indent=2))
-        with progress_bar("diagnose: one prefill per case, every contract evicts from it") as progress:
+        with progress_bar("diagnose: one prefill per case, every contract evicts from it") as progress, _resuming():
             rows = run_diagnostic(
                 runner, items, scalar_list, rate_list, mode_list, contract=fixed,
                 results=out / DIAGNOSTIC_FILE, progress=progress,
