@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -14,19 +12,11 @@ from kvsieve.harness.cli import app
 from kvsieve.harness.eval.results_log import ResultsLog, StaleRowsError, read_rows
 from kvsieve.harness.eval.sweep import run_sweep
 from kvsieve.harness.runners import LocalRunner
-from kvsieve.modeling.gates import Horizons, RetentionGates, gate_shape
-from kvsieve.selection.checkpoint import TrainRecord, gates_fingerprint, model_fingerprint, read_gates, save_gates
+from kvsieve.modeling.gates import Horizons
+from kvsieve.selection.checkpoint import gates_fingerprint, read_gates
 from kvsieve.selection.projection import Sentences
+from test_recorded_projection import save_random_gates
 from test_sweep import make_sample
-
-
-def _save(model: torch.nn.Module, folder: Path, seed: int = 0, seconds: float = 1.0, **settings: object) -> str:
-    """Random gates for `model` (drawn from `seed`), saved to `folder`; the folder as a string."""
-    torch.manual_seed(seed)
-    gates = RetentionGates(gate_shape(model, width=8), **settings)
-    torch.nn.init.normal_(gates.scoring.weight)
-    record = TrainRecord("tiny", model_fingerprint(model), 8, "global", 1.0, 3, 48, seed, {}, seconds)
-    return str(save_gates(gates, record, folder))
 
 
 def _fingerprint(folder: str) -> str:
@@ -35,13 +25,13 @@ def _fingerprint(folder: str) -> str:
 
 def test_the_fingerprint_follows_what_decides_the_picks(lm, tmp_path):
     """Weights, horizons and the recorded projection change it; the training record (its time) does not."""
-    base = _fingerprint(_save(lm, tmp_path / "base"))
-    assert len(base) == 12 and base == _fingerprint(_save(lm, tmp_path / "slower", seconds=99.0))
+    base = _fingerprint(save_random_gates(lm, tmp_path / "base"))
+    assert len(base) == 12 and base == _fingerprint(save_random_gates(lm, tmp_path / "slower", seconds=99.0))
     changed = [
-        _save(lm, tmp_path / "seed", seed=1),
-        _save(lm, tmp_path / "projection", projection=Sentences(best_tokens=0.1)),
-        _save(lm, tmp_path / "horizon", horizons=Horizons(128.0)),
-        _save(lm, tmp_path / "bounded", horizons=Horizons(0.0, float("inf"))),
+        save_random_gates(lm, tmp_path / "seed", seed=1),
+        save_random_gates(lm, tmp_path / "projection", projection=Sentences(best_tokens=0.1)),
+        save_random_gates(lm, tmp_path / "horizon", horizons=Horizons(128.0)),
+        save_random_gates(lm, tmp_path / "bounded", horizons=Horizons(0.0, float("inf"))),
     ]
     fingerprints = [_fingerprint(folder) for folder in changed]
     assert base not in fingerprints and len(set(fingerprints)) == len(fingerprints)
@@ -67,7 +57,7 @@ def test_a_log_stamps_new_rows_and_refuses_rows_made_otherwise(tmp_path):
 def test_a_resumed_sweep_refuses_rows_of_retrained_gates(lm, tok, tmp_path):
     """Gates trained again in the same folder keep the policy's name: the rows they made before are an error,
     not rows silently mixed in; the rows of policies that read no gates stay usable."""
-    path, folder = tmp_path / "results.jsonl", _save(lm, tmp_path / "gates")
+    path, folder = tmp_path / "results.jsonl", save_random_gates(lm, tmp_path / "gates")
     spec = f"trimkv+global:gates={folder}"
     rows = run_sweep(LocalRunner(lm, tok), [make_sample(0)], [spec, "random"], [0.5], results=path)
     gates = rows.set_index("policy")["gates"]
@@ -75,7 +65,7 @@ def test_a_resumed_sweep_refuses_rows_of_retrained_gates(lm, tok, tmp_path):
     run_sweep(LocalRunner(lm, tok), [make_sample(0)], [spec, "random"], [0.5], results=path)
     assert len(read_rows(path)) == 3  # the same gates: resumed, nothing made again
 
-    _save(lm, tmp_path / "gates", seed=1)  # trained again in place
+    save_random_gates(lm, tmp_path / "gates", seed=1)  # trained again in place
     with pytest.raises(StaleRowsError, match=rf"{path.name} holds 1 rows made otherwise.*trimkv\+global"):
         run_sweep(LocalRunner(lm, tok), [make_sample(0)], [spec], [0.5], results=path)
     again = run_sweep(LocalRunner(lm, tok), [make_sample(0), make_sample(1)], ["random"], [0.5], results=path)
@@ -84,11 +74,11 @@ def test_a_resumed_sweep_refuses_rows_of_retrained_gates(lm, tok, tmp_path):
 
 def test_the_sweep_command_names_out_for_rows_of_other_gates(model_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    gates, out = _save(model, tmp_path / "gates"), tmp_path / "sweep"
+    gates, out = save_random_gates(model, tmp_path / "gates"), tmp_path / "sweep"
     args = ["sweep", "--model", str(model_dir), "--tasks", "base", "--policies", f"trimkv+global:gates={gates}"]
     args += ["--rates", "0.5", "--samples", "1", "--length", "256", "--out", str(out), "--no-maps"]
     assert CliRunner().invoke(app, args).exit_code == 0
-    _save(model, tmp_path / "gates", seed=1)
+    save_random_gates(model, tmp_path / "gates", seed=1)
     result = CliRunner().invoke(app, args)
     said = " ".join(result.output.replace("│", " ").split())  # the error panel wraps long lines
     assert result.exit_code == 2 and "--out" in said and "rows made otherwise" in said and "Traceback" not in said

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 import kvsieve
 from kvsieve.harness.cli import app
 from kvsieve.harness.eval.methods import Case, KvsievePolicy
-from kvsieve.modeling.gates import RetentionGates, gate_shape
+from kvsieve.modeling.gates import NEXT_STEP, Horizons, RetentionGates, gate_shape
 from kvsieve.selection.checkpoint import (
     SHIPPED,
     GateCheckpointError,
@@ -29,12 +29,21 @@ TEXT = " ".join(["The grass is green. Who is the mother of Carol? I don't know!"
 RECORDED = Sentences(best_tokens=0.1)
 
 
-def _gates(model: torch.nn.Module, folder: Path, projection: object | None) -> str:
-    """Random gates for `model`, saved to `folder` with `projection` recorded; the folder as a string."""
-    torch.manual_seed(0)
-    gates = RetentionGates(gate_shape(model, width=8), projection=projection)
+def save_random_gates(
+    model: torch.nn.Module,
+    folder: Path,
+    projection: object | None = None,
+    *,
+    seed: int = 0,
+    seconds: float = 1.0,
+    horizons: Horizons = NEXT_STEP,
+) -> str:
+    """Random gates for `model` (drawn from `seed`), saved to `folder` with `projection` and `horizons` recorded and
+    `seconds` of training; the folder as a string."""
+    torch.manual_seed(seed)
+    gates = RetentionGates(gate_shape(model, width=8), horizons=horizons, projection=projection)
     torch.nn.init.normal_(gates.scoring.weight)
-    record = TrainRecord("tiny", model_fingerprint(model), 8, "global", 1.0, 3, 48, 0, {}, 1.0)
+    record = TrainRecord("tiny", model_fingerprint(model), 8, "global", 1.0, 3, 48, seed, {}, seconds)
     return str(save_gates(gates, record, folder))
 
 
@@ -49,13 +58,13 @@ def _same(a: kvsieve.SievedCache, b: kvsieve.SievedCache) -> bool:
 
 
 def test_the_checkpoint_keeps_the_projection(lm, tmp_path):
-    folder = _gates(lm, tmp_path / "gates", RECORDED)
+    folder = save_random_gates(lm, tmp_path / "gates", RECORDED)
     assert json.loads((Path(folder) / "config.json").read_text())["projection"] == {
         "name": "sentence",
         "best_tokens": 0.1,
     }
     assert read_gates(folder)[0].projection == RECORDED
-    assert read_gates(_gates(lm, tmp_path / "plain", None))[0].projection is None
+    assert read_gates(save_random_gates(lm, tmp_path / "plain", None))[0].projection is None
     assert "projection" not in json.loads((tmp_path / "plain" / "config.json").read_text())
 
 
@@ -64,7 +73,7 @@ def test_a_policy_that_names_none_picks_with_the_recorded_projection(lm, tok, tm
     """With sentences at hand, `trimkv+global:gates=DIR` keeps what the named recorded projection keeps, and differs
     from topk; its name stays the one given."""
     ids = tok(TEXT, return_tensors="pt").input_ids
-    folder = _gates(lm, tmp_path / "gates", RECORDED)
+    folder = save_random_gates(lm, tmp_path / "gates", RECORDED)
     spec = f"trimkv+global:gates={folder}"
     assert kvsieve.make_policy(spec).name == spec
     recorded = kvsieve.compress(lm, ids, spec, 0.7, tokenizer=tok)
@@ -92,27 +101,29 @@ def test_a_policy_that_names_none_picks_with_the_recorded_projection(lm, tok, tm
 @torch.no_grad()
 def test_without_sentences_it_says_so_and_keeps_topk(lm, tok, tmp_path):
     ids = tok(TEXT, return_tensors="pt").input_ids
-    spec = f"trimkv+global:gates={_gates(lm, tmp_path / 'gates', RECORDED)}"
+    spec = f"trimkv+global:gates={save_random_gates(lm, tmp_path / 'gates', RECORDED)}"
     with pytest.warns(UserWarning, match=r"record projection=sentence,best_tokens=0.1 .* Pass tokenizer="):
         alone = kvsieve.compress(lm, ids, spec, 0.7)
     assert _same(alone, kvsieve.compress(lm, ids, f"{spec},projection=topk", 0.7))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         kvsieve.compress(lm, ids, f"{spec},projection=topk", 0.7)  # named: no warning
-        plain = f"trimkv+global:gates={_gates(lm, tmp_path / 'plain', None)}"
+        plain = f"trimkv+global:gates={save_random_gates(lm, tmp_path / 'plain', None)}"
         kvsieve.compress(lm, ids, plain, 0.7)  # recorded none: topk, no warning
 
 
 def test_the_harness_gives_a_policy_reading_gates_its_sentences(lm, tok, tmp_path):
     ids = tok(TEXT, return_tensors="pt").input_ids
     case = Case(ids, ids.shape[1], tokenizer=tok)
-    gated = KvsievePolicy(kvsieve.make_policy(f"trimkv+global:gates={_gates(lm, tmp_path / 'gates', RECORDED)}"))
+    gated = KvsievePolicy(
+        kvsieve.make_policy(f"trimkv+global:gates={save_random_gates(lm, tmp_path / 'gates', RECORDED)}")
+    )
     assert torch.equal(gated.eviction(case, 0.5).spans, sentence_spans(tok, ids[0]))
     assert KvsievePolicy(kvsieve.make_policy("snapkv")).eviction(case, 0.5).spans is None
 
 
 def test_a_bad_recorded_projection_is_a_clear_error(lm, tmp_path):
-    folder = Path(_gates(lm, tmp_path / "gates", RECORDED))
+    folder = Path(save_random_gates(lm, tmp_path / "gates", RECORDED))
     config = json.loads((folder / "config.json").read_text())
     for bad, message in [
         ({"name": "span"}, "unknown projection 'span'"),
