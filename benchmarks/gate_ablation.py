@@ -23,7 +23,10 @@ gate_ablation_samples30.json, and so does a `--device` other than the CPU: gate_
 evaluates only what is missing (`--variants` picks the variants: all by default, none when `--policies` is given;
 `--fresh` starts over). `--policies` judges specs as given beside them (default: the model's rivals), e.g. the
 shipped gates under another scorer parameter (`trimkv+global:horizon=inf`) or a variant's gates by path (the gates
-home is left out of the label).
+home is left out of the label). Each policy's entry records the gates it read (`gates`: each source, the gates home
+left out, with its fingerprint, as a results row records them); an entry whose policy reads other gates now (a
+default replaced, a variant trained again) is measured again. Entries from before this record are kept as they are,
+and a rerun names them: remove one from the JSON to measure it again.
 
     python benchmarks/gate_ablation.py [--variants "capacity 128,mix10"] [--docs 24] [--samples 15] [--length 1536]
                                        [--model gemma3-270m] [--device cuda] [--policies "SPEC;SPEC"]
@@ -43,6 +46,8 @@ from rich.console import Console
 from kvsieve.harness.data.news import sample_news
 from kvsieve.harness.data.suites import task_samples
 from kvsieve.harness.eval import run_ppl
+from kvsieve.harness.eval.contenders import contender
+from kvsieve.harness.eval.gate_records import GATES_FIELD, gates_made_by
 from kvsieve.harness.eval.stats import bootstrap_delta_ci, bootstrap_mean_ci, pooled_delta_pct, pooled_ppl
 from kvsieve.harness.eval.sweep import run_sweep
 from kvsieve.harness.gemma import GEMMA_MODEL
@@ -54,7 +59,7 @@ from kvsieve.harness.training.ensemble import ensemble_gates
 from kvsieve.harness.training.soup import average_gates
 from kvsieve.harness.training.train import STATE_FILE, TrainConfig, train_gates
 from kvsieve.modeling.gates import Horizons
-from kvsieve.selection.checkpoint import CONFIG_FILE, TrainRecord, read_gates, resolve_gates
+from kvsieve.selection.checkpoint import CONFIG_FILE, GateCheckpointError, TrainRecord, read_gates, resolve_gates
 from results_io import RESULTS, Output, named_for
 
 RATES = [0.5, 0.75, 0.9, 0.95]
@@ -202,9 +207,26 @@ def _trained_elsewhere(folder: Path, config: TrainConfig) -> TrainRecord | None:
     return record if config.made(record.data.get("config", {})) else None
 
 
-def evaluate(model, tokenizer, policy: str, args: argparse.Namespace) -> tuple[dict, dict]:
+def gates_now(runner: LocalRunner, policy: str, home: Path) -> str | None:
+    """The gates a row of `policy` measured now records (`GATES_FIELD`, the gates home left out): "" when it
+    reads none, None when they are not here to read (a variant not trained on this machine)."""
+    method = contender(policy)
+    try:
+        made_by = gates_made_by(runner, {method.name: method})
+    except GateCheckpointError:
+        return None
+    return made_by({"policy": method.name}).get(GATES_FIELD, "").replace(f"{home}/", "")
+
+
+def measured_again(stored: dict, now: str | None) -> bool:
+    """Whether a stored entry was made by other gates than its policy reads now (gates not here, or an entry
+    from before entries recorded them, cannot say so: those are kept)."""
+    return GATES_FIELD in stored and now is not None and stored[GATES_FIELD] != now
+
+
+def evaluate(runner: LocalRunner, policy: str, args: argparse.Namespace) -> tuple[dict, dict]:
     """A policy's perplexity (per bulletin, by rate) and needle rows (per sample and rate), and the full cache's."""
-    runner = LocalRunner(model, tokenizer)
+    tokenizer = runner.tokenizer
     documents = sample_news(tokenizer, args.docs, 1024 + 512 + 1)
     with progress_bar(f"perplexity on news: {policy[:48]}") as progress:
         ppl = run_ppl(runner, documents, [policy], RATES, progress=progress)
@@ -359,15 +381,24 @@ def main() -> None:
     todo = {variant_label(name): name for name in variants}
     policies = RIVALS[args.model] if args.policies is None else filter(None, args.policies.split(";"))
     todo |= {spec.replace(f"{home}/", ""): spec for spec in policies}
+    runner, console, unrecorded = LocalRunner(model, tokenizer), Console(), []
     for label, name in todo.items():
-        if label in report["policies"]:
-            continue
-        training = train_variant(model, tokenizer, name, home, args.model) if name in NAMES else {}
         policy = variant_policy(name, home, args.model) if name in NAMES else name
-        result, report["full"] = evaluate(model, tokenizer, policy, args)
-        report["policies"][label] = result | {"policy": policy, "training": training}
+        if label in report["policies"]:
+            stored, now = report["policies"][label], gates_now(runner, policy, home)
+            if GATES_FIELD not in stored and now != "":
+                unrecorded.append(label)
+            if not measured_again(stored, now):
+                continue
+            console.print(f"{label}: measured on gates {stored[GATES_FIELD]}, now {now}: measuring again")
+        training = train_variant(model, tokenizer, name, home, args.model) if name in NAMES else {}
+        result, report["full"] = evaluate(runner, policy, args)
+        gates = {GATES_FIELD: gates_now(runner, policy, home)}
+        report["policies"][label] = result | {"policy": policy, "training": training} | gates
         TABLE.write(report, stem)  # after every policy, so an interrupted run keeps what it measured
-    Console().print(markdown(report))
+    if unrecorded:
+        console.print(f"kept as measured, before entries recorded their gates: {', '.join(unrecorded)}")
+    console.print(markdown(report))
     print(f"wrote {path}")
 
 

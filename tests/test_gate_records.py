@@ -82,3 +82,22 @@ def test_the_sweep_command_names_out_for_rows_of_other_gates(model_dir, tmp_path
     result = CliRunner().invoke(app, args)
     said = " ".join(result.output.replace("│", " ").split())  # the error panel wraps long lines
     assert result.exit_code == 2 and "--out" in said and "rows made otherwise" in said and "Traceback" not in said
+
+
+def test_the_gate_ablation_measures_again_an_entry_of_retrained_gates(lm, tok, tmp_path):
+    """benchmarks/gate_ablation.py keeps its results per policy in a JSON: an entry records the gates it read (the
+    gates home left out), and one whose gates were trained again since is measured again, not kept."""
+    from test_docs import _benchmarks_module
+
+    ablation = _benchmarks_module("gate_ablation")
+    runner, home = LocalRunner(lm, tok), tmp_path / "home"
+    policy = f"trimkv+global:gates={home / 'variant'}"
+    assert ablation.gates_now(runner, policy, home) is None  # not trained here: nothing to compare
+    save_random_gates(lm, home / "variant")
+    stored = {"gates": ablation.gates_now(runner, policy, home)}
+    assert stored["gates"] == f"variant={_fingerprint(str(home / 'variant'))}"
+    assert ablation.gates_now(runner, "random", home) == ""
+    assert not ablation.measured_again(stored, ablation.gates_now(runner, policy, home))
+    save_random_gates(lm, home / "variant", seed=1)
+    assert ablation.measured_again(stored, ablation.gates_now(runner, policy, home))
+    assert not ablation.measured_again({}, ablation.gates_now(runner, policy, home))  # from before the record
