@@ -18,18 +18,19 @@ also the heuristics that beat its base gates, ``expected`` and ``vatp+global``) 
   (`niah_ledger`, `niah_locker`), reported apart.
 
 Results are kept per policy in benchmarks/results/gate_ablation.json (Gemma-3-270M:
-gate_ablation_gemma3_270m.json; another `--docs`, `--samples` or `--length` adds it to the name, e.g.
+gate_ablation_gemma3_270m.json; another `--docs`, `--samples`, `--length` or `--seed` adds it to the name, e.g.
 gate_ablation_samples30.json, and so does a `--device` other than the CPU: gate_ablation_cuda.json), so a rerun
 evaluates only what is missing (`--variants` picks the variants: all by default, none when `--policies` is given;
-`--fresh` starts over). `--policies` judges specs as given beside them (default: the model's rivals), e.g. the
-shipped gates under another scorer parameter (`trimkv+global:horizon=inf`) or a variant's gates by path (the gates
-home is left out of the label). Each policy's entry records the gates it read (`gates`: each source, the gates home
-left out, with its fingerprint, as a results row records them); an entry whose policy reads other gates now (a
-default replaced, a variant trained again) is measured again. Entries from before this record are kept as they are,
-and a rerun names them: remove one from the JSON to measure it again.
+`--fresh` starts over). `--seed` draws other needle samples: a confirmation on fresh ones. `--policies` judges
+specs as given beside them (default: the model's rivals), e.g. the shipped gates under another scorer parameter
+(`trimkv+global:horizon=inf`) or a variant's gates by path (the gates home is left out of the label). Each policy's
+entry records the gates it read (`gates`: each source, the gates home left out, with its fingerprint, as a results
+row records them); an entry whose policy reads other gates now (a default replaced, a variant trained again) is
+measured again. Entries from before this record are kept as they are, and a rerun names them: remove one from the
+JSON to measure it again.
 
     python benchmarks/gate_ablation.py [--variants "capacity 128,mix10"] [--docs 24] [--samples 15] [--length 1536]
-                                       [--model gemma3-270m] [--device cuda] [--policies "SPEC;SPEC"]
+                                       [--seed 0] [--model gemma3-270m] [--device cuda] [--policies "SPEC;SPEC"]
 """
 
 from __future__ import annotations
@@ -230,7 +231,7 @@ def evaluate(runner: LocalRunner, policy: str, args: argparse.Namespace) -> tupl
     documents = sample_news(tokenizer, args.docs, 1024 + 512 + 1)
     with progress_bar(f"perplexity on news: {policy[:48]}") as progress:
         ppl = run_ppl(runner, documents, [policy], RATES, progress=progress)
-    samples = task_samples(TASKS, tokenizer, length=args.length, n=args.samples, seed=0)
+    samples = task_samples(TASKS, tokenizer, length=args.length, n=args.samples, seed=args.seed)
     with progress_bar(f"needles: {policy[:48]}") as progress:
         rows = run_sweep(runner, samples, [policy], RATES, diagnostics=False, progress=progress)
     rows = rows[["policy", "sample", "task", "rate", "correct", "gold_logprob"]]
@@ -340,8 +341,9 @@ def _paired_tables(report: dict, against: str, caption: str, rates: tuple[float,
 
 
 TABLE = Output("gate_ablation*", {"": markdown})
-#: Bulletins, needle samples per task, and the needles' length; results under another setting go to their own file.
-SETTING_DEFAULTS = {"docs": 24, "samples": 15, "length": 1536}
+#: Bulletins, needle samples per task, the needles' length and the seed they are drawn from; results under another
+#: setting go to their own file (a file from before the seed was a setting drew seed 0).
+SETTING_DEFAULTS = {"docs": 24, "samples": 15, "length": 1536, "seed": 0}
 
 
 def main() -> None:
@@ -375,7 +377,7 @@ def main() -> None:
     path = RESULTS / f"{stem}.json"
     setting = {key: getattr(args, key) for key in SETTING_DEFAULTS} | {"rates": RATES}
     report = json.loads(path.read_text()) if path.is_file() and not args.fresh else {}
-    if {k: report.get(k) for k in setting} != setting:
+    if {k: report.get(k, SETTING_DEFAULTS.get(k)) for k in setting} != setting:
         report = setting | {"policies": {}}
     model, tokenizer = ModelChoice(None if default else args.model, device).load()
     todo = {variant_label(name): name for name in variants}
