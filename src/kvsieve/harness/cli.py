@@ -464,7 +464,7 @@ def write_eviction_map(
 @app.command()
 def sweep(
     tasks: Annotated[
-        str, typer.Option(help="tasks or suites (ruler, routing, unseen, varied), comma-separated")
+        str, typer.Option(help="tasks or suites (ruler, routing, unseen, varied, procedural), comma-separated")
     ] = "ruler",
     policies: Annotated[
         str, typer.Option(help="kvsieve specs and kvpress:<press> names; the full cache is always run")
@@ -546,7 +546,7 @@ def _default_scalars(model: torch.nn.Module, tokenizer: Any, cell: None) -> list
 @app.command()
 def diagnose(
     tasks: Annotated[
-        str, typer.Option(help="tasks or suites (ruler, routing, unseen, varied), comma-separated")
+        str, typer.Option(help="tasks or suites (ruler, routing, unseen, varied, procedural), comma-separated")
     ] = DIAGNOSTIC_TASKS,
     scalars: Annotated[
         str | None, typer.Option(help="ranking scalars swapped into the contract (default: all; trimkv with gates)")
@@ -725,7 +725,7 @@ def train_gates_command(
     width: Annotated[int, typer.Option(min=1, help="hidden units per (layer, kv-head)")] = TrainConfig.width,
     per_task: Annotated[int, typer.Option(min=0, help="training samples per task")] = TrainConfig.per_task,
     tasks: Annotated[
-        str, typer.Option(help="tasks or suites the samples come from (ruler, routing, varied; never unseen)")
+        str, typer.Option(help="tasks or suites of the samples (ruler, routing, varied, procedural; never unseen)")
     ] = TrainConfig.tasks,
     seed: Annotated[int, typer.Option()] = TrainConfig.seed,
     kl_tokens: Annotated[int, typer.Option(min=0, help="positions the loss reads per sequence (0: all)")] = (

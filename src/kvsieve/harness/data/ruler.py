@@ -22,6 +22,8 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from . import haystack as hs
+from .drawn_formats import DrawnFormats
+from .needle_format import FormatSource, NeedleFormat, content_words
 from .sample import TaskSample, prompt_tokens, token_count
 
 RULER_TASKS: tuple[str, ...] = (
@@ -40,38 +42,6 @@ RULER_TASKS: tuple[str, ...] = (
 
 #: Lowest fraction of the requested length a prompt may have.
 MIN_FILL = 0.9
-
-
-@dataclass(frozen=True)
-class NeedleFormat:
-    """How a needle is written, introduced and asked about.
-
-    Templates take ``{key}``, ``{value}`` (the needle), ``{kind}`` (the value type, singular: ``"number"``),
-    ``{kinds}`` (plural) and ``{query}`` (the asked key, or RULER's ``"a, b, and c"`` for several). The
-    ``*_many`` forms ask for several values at once; a format without them asks for one value only.
-    """
-
-    name: str
-    sentence: str
-    preamble: str
-    question: str
-    prefix: str
-    preamble_many: str = ""
-    question_many: str = ""
-    prefix_many: str = ""
-
-    def asks(self, single: bool, kind: str, query: str) -> tuple[str, str, str]:
-        """`(preamble, question, answer prefix)` asking for one value (`single`) or several."""
-        if not single and not self.question_many:
-            raise ValueError(f"needle format {self.name!r} asks for one value only")
-        templates = (self.preamble, self.question, self.prefix) if single else (
-            self.preamble_many, self.question_many, self.prefix_many
-        )  # fmt: skip
-        fields = {"kind": kind[:-1], "kinds": kind, "query": query}
-        return tuple(template.format(**fields) for template in templates)  # type: ignore[return-value]
-
-    def needle(self, key: str, value: str, value_type: str) -> str:
-        return self.sentence.format(key=key, value=value, kind=value_type[:-1], kinds=value_type)
 
 
 _MEMORIZE = " Make sure to memorize it. I will quiz you about the {} afterwards.\n"
@@ -163,7 +133,7 @@ class NiahConfig:
     n_values: int = 1
     n_queries: int = 1
     max_new_tokens: int = 24
-    format: NeedleFormat = RULER_FORMAT
+    format: FormatSource = RULER_FORMAT
 
     @property
     def single(self) -> bool:
@@ -198,6 +168,22 @@ VARIED_CONFIGS: dict[str, NiahConfig] = {
 }  # fmt: skip
 NIAH_CONFIGS |= VARIED_CONFIGS
 VARIED_TASKS: tuple[str, ...] = tuple(VARIED_CONFIGS)
+#: Needles in a format drawn anew for every sample (the ``procedural`` suite, for training alone), over the varied
+#: suite's haystacks and key kinds; no word of an unseen format's needle is ever drawn.
+DRAWN_FORMATS = DrawnFormats(frozenset().union(*(content_words(NIAH_CONFIGS[t].format.sentence) for t in UNSEEN_TASKS)))
+PROCEDURAL_CONFIGS: dict[str, NiahConfig] = {
+    f"niah_procedural_{i}": NiahConfig(haystack, keys, "numbers", n_keys=n_keys, format=DRAWN_FORMATS)
+    for i, (haystack, keys, n_keys) in enumerate(
+        [("essay", "words", 4), ("noise", "words", 4), ("essay", "numbers", 1), ("noise", "numbers", 4),
+         ("essay", "words", 1), ("needle", "words", 1)],
+        start=1,
+    )
+}  # fmt: skip
+NIAH_CONFIGS |= PROCEDURAL_CONFIGS
+PROCEDURAL_TASKS: tuple[str, ...] = tuple(PROCEDURAL_CONFIGS)
+#: The suite of every task that is not RULER's own.
+SUITE_OF = dict.fromkeys(UNSEEN_TASKS, "unseen") | dict.fromkeys(VARIED_TASKS, "varied")
+SUITE_OF |= dict.fromkeys(PROCEDURAL_TASKS, "procedural")
 #: RULER's needle depths for the essay haystack: 40 percentages spread evenly over [0, 100].
 ESSAY_DEPTHS: tuple[int, ...] = tuple(round(100 * i / 39) for i in range(40))
 
@@ -314,7 +300,7 @@ def _sample(task: str, index: int, context: str, spans: list[tuple[str, int, int
     meta["evidence_depths"] = [round(start / len(context), 4) for _, start, _ in spans]
     return TaskSample(
         task=task,
-        suite="unseen" if task in UNSEEN_TASKS else "varied" if task in VARIED_TASKS else "ruler",
+        suite=SUITE_OF.get(task, "ruler"),
         index=index,
         context=context,
         evidence=tuple((start, end) for _, start, end in spans),
@@ -325,6 +311,7 @@ def _sample(task: str, index: int, context: str, spans: list[tuple[str, int, int
 
 def _niah(task: str, index: int, rng: random.Random, length: int) -> tuple[Builder, int]:
     cfg = NIAH_CONFIGS[task]
+    fmt = cfg.format.drawn(rng)
     n_keys = max(cfg.n_keys, cfg.n_queries)
     taken: set[str] = set()
     keys = _distinct(lambda: hs.random_item(rng, cfg.key_type), n_keys, taken)
@@ -339,9 +326,9 @@ def _niah(task: str, index: int, rng: random.Random, length: int) -> tuple[Build
     distractor_seed = rng.getrandbits(63)
 
     single = cfg.single
-    preamble, question, prefix = cfg.format.asks(single, cfg.value_type, english_list([keys[q] for q in queried]))
+    preamble, question, prefix = fmt.asks(single, cfg.value_type, english_list([keys[q] for q in queried]))
     answers = tuple(v for q in queried for v in values[q])
-    inserts: list[Piece] = [(cfg.format.needle(keys[k], values[k][v], cfg.value_type), str(k)) for k, v in needles]
+    inserts: list[Piece] = [(fmt.needle(keys[k], values[k][v], cfg.value_type), str(k)) for k, v in needles]
     relevant = {str(q) for q in queried}
     # values of the needles with keys that are not asked about (multikey: the other inserted needles)
     unasked = [v for k in range(n_keys) if k not in queried for v in values[k]]
@@ -353,7 +340,7 @@ def _niah(task: str, index: int, rng: random.Random, length: int) -> tuple[Build
         if cfg.haystack == "noise":
             return hs.noise_units(size), []
         items = hs.needle_items(size, distractor_seed, cfg.key_type, cfg.value_type, frozenset(keys))
-        return [cfg.format.needle(k, v, cfg.value_type) for k, v in items], [v for _, v in items]
+        return [fmt.needle(k, v, cfg.value_type) for k, v in items], [v for _, v in items]
 
     def competing(haystack_values: list[str]) -> tuple[str, ...]:
         """Every other value in the context, written as `gold` is (a single asked value only)."""
@@ -598,7 +585,7 @@ def ruler_samples(
     depths from its own generator, so samples differ across indices and seeds. See `encode` for `chat`.
     """
     if task not in _BUILDERS:
-        raise ValueError(f"unknown RULER task {task!r}; choose one of {RULER_TASKS + UNSEEN_TASKS + VARIED_TASKS}")
+        raise ValueError(f"unknown RULER task {task!r}; choose one of {(*RULER_TASKS, *SUITE_OF)}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     samples: list[TaskSample] = []
