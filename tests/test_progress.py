@@ -12,7 +12,7 @@ from kvsieve.harness.progress import ProgressLines, progress_bar
 
 def test_a_log_gets_a_line_per_interval_and_one_at_the_end(monkeypatch):
     out = io.StringIO()
-    monkeypatch.setattr(progress, "console", Console(file=out, width=200))
+    monkeypatch.setattr(progress, "console", Console(file=out, width=40))  # a line is never wrapped
     now = [0.0]
     lines = ProgressLines("streaming, 8 bits", every=60, clock=lambda: now[0])
     for step, at in enumerate((10, 30, 70, 100, 135, 150), start=1):

@@ -59,7 +59,7 @@ class ProgressLines:
         line += f", {_clock(elapsed)} elapsed"
         if total and 0 < done < total:
             line += f", about {_clock(elapsed * (total - done) / done)} left"
-        console.print(line, highlight=False)
+        console.print(line, highlight=False, soft_wrap=True)
 
 
 def _clock(seconds: float) -> str:
