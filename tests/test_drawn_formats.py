@@ -8,13 +8,9 @@ import pytest
 
 from kvsieve.harness.data.drawn_formats import DrawnFormats
 from kvsieve.harness.data.needle_format import content_words
-from kvsieve.harness.data.ruler import DRAWN_FORMATS, NIAH_CONFIGS, PROCEDURAL_TASKS, RULER_FORMAT, UNSEEN_TASKS
+from kvsieve.harness.data.ruler import DRAWN_FORMATS, PROCEDURAL_TASKS, RULER_FORMAT, UNSEEN_NEEDLE_WORDS
 from kvsieve.harness.data.suites import task_samples
 from kvsieve.harness.training.data import training_data
-
-
-def _unseen_words() -> set[str]:
-    return set().union(*(content_words(NIAH_CONFIGS[task].format.sentence) for task in UNSEEN_TASKS))
 
 
 def test_every_drawn_format_is_new_and_shares_no_word_with_an_unseen_needle():
@@ -22,8 +18,8 @@ def test_every_drawn_format_is_new_and_shares_no_word_with_an_unseen_needle():
     formats = [DRAWN_FORMATS.drawn(rng) for _ in range(300)]
     assert len({f.sentence for f in formats}) == len(formats)
     assert len({f.name for f in formats}) > 1
-    unseen = _unseen_words()
-    assert unseen and DRAWN_FORMATS.excluded == unseen
+    unseen = UNSEEN_NEEDLE_WORDS
+    assert {"ledger", "locker"} <= unseen and DRAWN_FORMATS.excluded == unseen
     for fmt in formats:
         assert not content_words(fmt.sentence) & unseen, fmt.sentence
         needle = fmt.needle("amber-fox", "1234567", "numbers")
