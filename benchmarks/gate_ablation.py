@@ -59,7 +59,7 @@ from kvsieve.harness.runners import LocalRunner
 from kvsieve.harness.training.ensemble import ensemble_gates
 from kvsieve.harness.training.soup import average_gates
 from kvsieve.harness.training.train import STATE_FILE, TrainConfig, train_gates
-from kvsieve.modeling.gates import Horizons
+from kvsieve.modeling.gates import NEXT_STEP, Horizons
 from kvsieve.selection.checkpoint import CONFIG_FILE, GateCheckpointError, TrainRecord, read_gates, resolve_gates
 from results_io import RESULTS, Output, named_for
 
@@ -95,9 +95,13 @@ VARIANTS: dict[str, dict | None] = {
         f"capacity 32 varied seed {seed}": {"capacity": 32, "tasks": "ruler,routing,varied", "seed": seed}
         for seed in range(1, 9)
     },
+    "capacity 32 varied procedural": {"capacity": 32, "tasks": "ruler,routing,varied,procedural"},
     "varied": {"tasks": "ruler,routing,varied"},
     **{f"seed {seed}": {"seed": seed} for seed in range(1, 5)},
 }
+#: Variants whose checkpoint records a horizon (`train-gates --horizon`; the rest record none, read at the next step):
+#: the `capacity 32 varied` recipe is read 128 tokens ahead, as its shipped checkpoint, smollm2-135m-capacity32-varied.
+READ_AHEAD: dict[str, Horizons] = {name: Horizons(128.0) for name in VARIANTS if name.startswith("capacity 32 varied")}
 #: Gate soups: the equal-weight parameter average of variants' gates (`kvsieve average-gates`), each variant trained
 #: (or resumed) first; "capacity 128" is the base recipe's shipped checkpoint.
 SOUPS: dict[str, tuple[str, ...]] = {
@@ -172,7 +176,7 @@ def train_variant(model, tokenizer, name: str, home: Path, model_name: str) -> d
     record = _trained_elsewhere(folder, config)
     elsewhere = record is not None
     if record is None:
-        _, record = train_gates(model, tokenizer, config, folder, model_name)
+        _, record = train_gates(model, tokenizer, config, folder, model_name, horizons=READ_AHEAD.get(name, NEXT_STEP))
     return {
         "seconds": record.seconds,
         "changes": {k: list(v) if isinstance(v, tuple) else v for k, v in VARIANTS[name].items()},
