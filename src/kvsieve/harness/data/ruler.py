@@ -183,9 +183,15 @@ PROCEDURAL_CONFIGS: dict[str, NiahConfig] = {
 }  # fmt: skip
 NIAH_CONFIGS |= PROCEDURAL_CONFIGS
 PROCEDURAL_TASKS: tuple[str, ...] = tuple(PROCEDURAL_CONFIGS)
-#: The suite of every task that is not RULER's own.
-SUITE_OF = dict.fromkeys(UNSEEN_TASKS, "unseen") | dict.fromkeys(VARIED_TASKS, "varied")
-SUITE_OF |= dict.fromkeys(PROCEDURAL_TASKS, "procedural")
+#: The task suites built here, by name (`suites.SUITES` adds the routing probes).
+RULER_SUITES: dict[str, tuple[str, ...]] = {
+    "ruler": RULER_TASKS,
+    "unseen": UNSEEN_TASKS,
+    "varied": VARIED_TASKS,
+    "procedural": PROCEDURAL_TASKS,
+}
+#: Every task's suite (`TaskSample.suite`).
+SUITE_OF = {task: suite for suite, tasks in RULER_SUITES.items() for task in tasks}
 #: RULER's needle depths for the essay haystack: 40 percentages spread evenly over [0, 100].
 ESSAY_DEPTHS: tuple[int, ...] = tuple(round(100 * i / 39) for i in range(40))
 
@@ -302,7 +308,7 @@ def _sample(task: str, index: int, context: str, spans: list[tuple[str, int, int
     meta["evidence_depths"] = [round(start / len(context), 4) for _, start, _ in spans]
     return TaskSample(
         task=task,
-        suite=SUITE_OF.get(task, "ruler"),
+        suite=SUITE_OF[task],
         index=index,
         context=context,
         evidence=tuple((start, end) for _, start, end in spans),
@@ -587,7 +593,7 @@ def ruler_samples(
     depths from its own generator, so samples differ across indices and seeds. See `encode` for `chat`.
     """
     if task not in _BUILDERS:
-        raise ValueError(f"unknown RULER task {task!r}; choose one of {(*RULER_TASKS, *SUITE_OF)}")
+        raise ValueError(f"unknown RULER task {task!r}; choose one of {tuple(SUITE_OF)}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     samples: list[TaskSample] = []

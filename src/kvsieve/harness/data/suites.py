@@ -6,19 +6,13 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerBase
 
 from .routing import ROUTING_FAMILIES, routing_samples
-from .ruler import PROCEDURAL_TASKS, RULER_TASKS, UNSEEN_TASKS, VARIED_TASKS, ruler_samples
+from .ruler import RULER_SUITES, ruler_samples
 from .sample import TaskSample
 
 #: ``unseen``: needle formats no training set of the gates uses (`harness.training.data.training_tasks` refuses
 #: them); ``varied``: needle formats for training alone (`train-gates --tasks`); ``procedural``: needles in a format
 #: drawn anew for every sample, for training alone.
-SUITES: dict[str, tuple[str, ...]] = {
-    "ruler": RULER_TASKS,
-    "routing": ROUTING_FAMILIES,
-    "unseen": UNSEEN_TASKS,
-    "varied": VARIED_TASKS,
-    "procedural": PROCEDURAL_TASKS,
-}
+SUITES: dict[str, tuple[str, ...]] = RULER_SUITES | {"routing": ROUTING_FAMILIES}
 TASKS: tuple[str, ...] = tuple(task for tasks in SUITES.values() for task in tasks)
 
 
