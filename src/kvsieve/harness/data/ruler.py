@@ -168,10 +168,10 @@ VARIED_CONFIGS: dict[str, NiahConfig] = {
 }  # fmt: skip
 NIAH_CONFIGS |= VARIED_CONFIGS
 VARIED_TASKS: tuple[str, ...] = tuple(VARIED_CONFIGS)
-#: Needles in a format drawn anew for every sample (the ``procedural`` suite, for training alone), in the essay, noise
-#: and needle haystacks, with word and number keys; no word of an unseen format's needle is ever drawn.
 #: The words of four letters or more of the unseen formats' needles, which no training format may hold.
 UNSEEN_NEEDLE_WORDS = frozenset().union(*(content_words(NIAH_CONFIGS[t].format.sentence) for t in UNSEEN_TASKS))
+#: Needles in a format drawn anew for every sample (the ``procedural`` suite, for training alone), in the essay, noise
+#: and needle haystacks, with word and number keys; no word of an unseen format's needle is ever drawn.
 DRAWN_FORMATS = DrawnFormats(UNSEEN_NEEDLE_WORDS)
 PROCEDURAL_CONFIGS: dict[str, NiahConfig] = {
     f"niah_procedural_{i}": NiahConfig(haystack, keys, "numbers", n_keys=n_keys, format=DRAWN_FORMATS)
