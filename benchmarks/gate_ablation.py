@@ -20,17 +20,19 @@ also the heuristics that beat its base gates, ``expected`` and ``vatp+global``) 
 Results are kept per policy in benchmarks/results/gate_ablation.json (Gemma-3-270M:
 gate_ablation_gemma3_270m.json; another `--docs`, `--samples`, `--length` or `--seed` adds it to the name, e.g.
 gate_ablation_samples30.json, and so does a `--device` other than the CPU: gate_ablation_cuda.json), so a rerun
-evaluates only what is missing (`--variants` picks the variants: all by default, none when `--policies` is given;
-`--fresh` starts over). `--seed` draws other needle samples: a confirmation on fresh ones. `--policies` judges
+evaluates only what is missing (`--variants` picks the variants: all by default, none when `--policies` or
+`--against` is given; `--fresh` starts over). `--seed` draws other needle samples: a confirmation on fresh ones. `--policies` judges
 specs as given beside them (default: the model's rivals), e.g. the shipped gates under another scorer parameter
 (`trimkv+global:horizon=inf`) or a variant's gates by path (the gates home is left out of the label). Each policy's
 entry records the gates it read (`gates`: each source, the gates home left out, with its fingerprint, as a results
 row records them); an entry whose policy reads other gates now (a default replaced, a variant trained again) is
 measured again. Entries from before this record are kept as they are, and a rerun names them: remove one from the
-JSON to measure it again.
+JSON to measure it again. `--against LABEL` pairs every policy with that one (e.g. the default) at every rate, in
+tables of its own; the JSON keeps the choice, and the tables are written again even when nothing is measured.
 
     python benchmarks/gate_ablation.py [--variants "capacity 128,mix10"] [--docs 24] [--samples 15] [--length 1536]
                                        [--seed 0] [--model gemma3-270m] [--device cuda] [--policies "SPEC;SPEC"]
+                                       [--against LABEL]
 """
 
 from __future__ import annotations
@@ -313,7 +315,8 @@ def _per_task(report: dict, rate: float) -> str:
 
 def markdown(report: dict) -> str:
     """Every policy at every rate, the needles per task at 90%, every policy against the full cache at 50% and 75%,
-    then (once measured) each policy against the baseline and against the base recipe's gates at 90% and 95%, paired."""
+    then (once measured) each policy against the baseline and against the base recipe's gates at 90% and 95%, and
+    against the policy `--against` chose at every rate, paired."""
     tokens, full_nll = np.array(report["full"]["tokens"]), np.array(report["full"]["nll"])
     rates = " / ".join(f"{r:.0%}" for r in RATES)
     header = ["policy", f"PPL change at {rates}", *(f"needles, {g}, at {rates}" for g in GROUPS), "training"]
@@ -325,6 +328,8 @@ def markdown(report: dict) -> str:
     tables = [markdown_table(header, body), _per_task(report, 0.9), _against_full(report)]
     tables += _paired_tables(report, BASELINE, "paired on the same bulletins and samples")
     tables += _paired_tables(report, variant_label(BASE_VARIANT), "paired against the base recipe's gates")
+    against = report.get("against")
+    tables += _paired_tables(report, against, f"paired against {against} (`--against`)", tuple(RATES))
     return "\n\n".join(tables) + "\n"
 
 
@@ -350,10 +355,35 @@ TABLE = Output("gate_ablation*", {"": markdown})
 SETTING_DEFAULTS = {"docs": 24, "samples": 15, "length": 1536, "seed": 0}
 
 
+def measure(
+    model, tokenizer, todo: dict[str, str], report: dict, home: Path, args: argparse.Namespace, stem: str
+) -> list[str]:
+    """Judge every policy of `todo` (label: variant or spec) that `report` lacks or measured on other gates, writing
+    the results after each; the labels kept as measured before entries recorded their gates."""
+    runner, console, unrecorded = LocalRunner(model, tokenizer), Console(), []
+    for label, name in todo.items():
+        policy = variant_policy(name, home, args.model) if name in NAMES else name
+        if label in report["policies"]:
+            stored, now = report["policies"][label], gates_now(runner, policy, home)
+            if GATES_FIELD not in stored and now != "":
+                unrecorded.append(label)
+            if not measured_again(stored, now):
+                continue
+            console.print(f"{label}: measured on gates {stored[GATES_FIELD]}, now {now}: measuring again")
+        training = train_variant(model, tokenizer, name, home, args.model) if name in NAMES else {}
+        result, report["full"] = evaluate(runner, policy, args)
+        gates = {GATES_FIELD: gates_now(runner, policy, home)}
+        report["policies"][label] = result | {"policy": policy, "training": training} | gates
+        TABLE.write(report, stem)  # after every policy, so an interrupted run keeps what it measured
+    return unrecorded
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     every = ", ".join(NAMES)
-    parser.add_argument("--variants", help=f"comma-separated (default: all; none with --policies), of: {every}")
+    parser.add_argument(
+        "--variants", help=f"comma-separated (default: all; none with --policies or --against): {every}"
+    )
     for name, value in SETTING_DEFAULTS.items():
         parser.add_argument(f"--{name}", type=int, default=value)
     parser.add_argument("--policies", help="semicolon-separated specs judged as given (default: the model's rivals)")
@@ -361,9 +391,10 @@ def main() -> None:
     parser.add_argument("--gates-home", type=Path, help="where variants train (default: the cache's gates/ablation)")
     parser.add_argument("--fresh", action="store_true", help="forget the results already in the JSON")
     parser.add_argument("--device", default="cpu", help="where the model runs and variants train (cpu, cuda, ...)")
+    parser.add_argument("--against", help="also pair every policy with this one (its label) at every rate; kept")
     args = parser.parse_args()
     if args.variants is None:
-        variants = list(NAMES) if args.policies is None else []
+        variants = list(NAMES) if args.policies is None and args.against is None else []
     else:
         variants = list(filter(None, args.variants.split(",")))
     unknown = set(variants) - set(NAMES)
@@ -383,27 +414,20 @@ def main() -> None:
     report = json.loads(path.read_text()) if path.is_file() and not args.fresh else {}
     if {k: report.get(k, SETTING_DEFAULTS.get(k)) for k in setting} != setting:
         report = setting | {"policies": {}}
-    model, tokenizer = ModelChoice(None if default else args.model, device).load()
     todo = {variant_label(name): name for name in variants}
     policies = RIVALS[args.model] if args.policies is None else filter(None, args.policies.split(";"))
     todo |= {spec.replace(f"{home}/", ""): spec for spec in policies}
-    runner, console, unrecorded = LocalRunner(model, tokenizer), Console(), []
-    for label, name in todo.items():
-        policy = variant_policy(name, home, args.model) if name in NAMES else name
-        if label in report["policies"]:
-            stored, now = report["policies"][label], gates_now(runner, policy, home)
-            if GATES_FIELD not in stored and now != "":
-                unrecorded.append(label)
-            if not measured_again(stored, now):
-                continue
-            console.print(f"{label}: measured on gates {stored[GATES_FIELD]}, now {now}: measuring again")
-        training = train_variant(model, tokenizer, name, home, args.model) if name in NAMES else {}
-        result, report["full"] = evaluate(runner, policy, args)
-        gates = {GATES_FIELD: gates_now(runner, policy, home)}
-        report["policies"][label] = result | {"policy": policy, "training": training} | gates
-        TABLE.write(report, stem)  # after every policy, so an interrupted run keeps what it measured
+    if args.against is not None:
+        known = [*report["policies"], *todo]
+        if args.against not in known:
+            parser.error(f"--against {args.against!r} is no policy of {path.name} or of this run: {', '.join(known)}")
+        report["against"] = args.against
+    model, tokenizer = ModelChoice(None if default else args.model, device).load()
+    unrecorded = measure(model, tokenizer, todo, report, home, args, stem)
+    console = Console()
     if unrecorded:
         console.print(f"kept as measured, before entries recorded their gates: {', '.join(unrecorded)}")
+    TABLE.write(report, stem)  # also when nothing was measured: --against alone re-renders the tables
     console.print(markdown(report))
     print(f"wrote {path}")
 
