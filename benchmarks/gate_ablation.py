@@ -17,12 +17,12 @@ also the heuristics that beat its base gates, ``expected`` and ``vatp+global``) 
   `niah_multikey_1`; the format, not these samples, is in training) and two formats no training set uses
   (`niah_ledger`, `niah_locker`), reported apart.
 
-Results are kept per policy in benchmarks/results/gate_ablation.json (Gemma-3-270M:
-gate_ablation_gemma3_270m.json; another `--docs`, `--samples`, `--length` or `--seed` adds it to the name, e.g.
-gate_ablation_samples30.json, and so does a `--device` other than the CPU: gate_ablation_cuda.json), so a rerun
-evaluates only what is missing (`--variants` picks the variants: all by default, none when `--policies` or
-`--against` is given; `--fresh` starts over). `--seed` draws other needle samples: a confirmation on fresh ones. `--policies` judges
-specs as given beside them (default: the model's rivals), e.g. the shipped gates under another scorer parameter
+Results are kept per policy in benchmarks/results/gate_ablation.json (Gemma-3-270M: gate_ablation_gemma3_270m.json;
+another `--docs`, `--samples`, `--length` or `--seed` adds it to the name, e.g. gate_ablation_samples30.json, and so
+does a `--device` other than the CPU: gate_ablation_cuda.json), so a rerun evaluates only what is missing
+(`--variants` picks the variants: all by default, none when `--policies` or `--against` is given; `--fresh` starts
+over). `--seed` draws other needle samples: a confirmation on fresh ones. `--policies` judges specs as given beside
+them (default: the model's rivals), e.g. the shipped gates under another scorer parameter
 (`trimkv+global:horizon=inf`) or a variant's gates by path (the gates home is left out of the label). Each policy's
 entry records the gates it read (`gates`: each source, the gates home left out, with its fingerprint, as a results
 row records them); an entry whose policy reads other gates now (a default replaced, a variant trained again) is
