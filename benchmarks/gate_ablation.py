@@ -427,7 +427,8 @@ def main() -> None:
     console = Console()
     if unrecorded:
         console.print(f"kept as measured, before entries recorded their gates: {', '.join(unrecorded)}")
-    TABLE.write(report, stem)  # also when nothing was measured: --against alone re-renders the tables
+    if args.against is not None:  # `measure` wrote after each policy; the choice may be all that changed
+        TABLE.write(report, stem)
     console.print(markdown(report))
     print(f"wrote {path}")
 

@@ -81,3 +81,16 @@ def test_against_alone_trains_no_variant_and_writes_the_tables_again(monkeypatch
     assert [(stem, report["against"]) for stem, report in written] == [
         ("gate_ablation_samples30_seed1", "trimkv+global")
     ]
+
+
+def test_without_against_only_what_was_measured_is_written(monkeypatch):
+    """The tables are written again at the end only for `--against`; a run that measured nothing leaves the JSON."""
+    written = []
+    monkeypatch.setattr(
+        "sys.argv", ["gate_ablation.py", "--samples", "30", "--seed", "1", "--policies", "kvzip+global"]
+    )
+    monkeypatch.setattr(ablation.ModelChoice, "load", lambda self: (None, None))
+    monkeypatch.setattr(ablation, "measure", lambda *args: [])
+    monkeypatch.setattr(ablation, "TABLE", SimpleNamespace(write=lambda report, stem: written.append(stem)))
+    ablation.main()
+    assert written == []
