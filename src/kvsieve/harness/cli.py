@@ -467,7 +467,11 @@ def sweep(
         str, typer.Option(help="tasks or suites (ruler, routing, unseen, varied, procedural), comma-separated")
     ] = "ruler",
     policies: Annotated[
-        str, typer.Option(help="kvsieve specs and kvpress:<press> names; the full cache is always run")
+        str,
+        typer.Option(
+            help="kvsieve specs and kvpress:<press> names; <spec>@force=all/caote forces each sample's evidence "
+            "in (the evidence-first oracle); the full cache is always run"
+        ),
     ] = "snapkv,expected,importance,random",
     rates: Annotated[str, typer.Option(help="comma-separated eviction rates in [0, 1)")] = "0.5,0.75,0.9",
     samples: Annotated[int, typer.Option(min=1, help="samples per task")] = 10,

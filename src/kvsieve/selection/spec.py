@@ -171,7 +171,8 @@ def make_policy(spec: str | Policy, allocator: str | None = None, **params: obje
 
 
 def split_policies(text: str) -> list[str]:
-    """Split a comma-separated list of policy specs; `key=value` items belong to the spec before them.
+    """Split a comma-separated list of policy specs; `key=value` items belong to the spec before them (an
+    item with an ``@``, a forced variant's ``<spec>@force=all/caote``, is a spec of its own).
 
     ``"snapkv+adaptive:window=16,kernel=7,random"`` -> ``["snapkv+adaptive:window=16,kernel=7", "random"]``.
     """
@@ -179,7 +180,7 @@ def split_policies(text: str) -> list[str]:
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
-        if "=" in part and ":" not in part and specs:
+        if "=" in part and ":" not in part and "@" not in part and specs:
             specs[-1] += f",{part}"
         else:
             specs.append(part)

@@ -380,6 +380,7 @@ def _niah(task: str, index: int, rng: random.Random, length: int) -> tuple[Build
                 "queries": [keys[q] for q in queried],
                 "values": [list(v) for v in values],
                 "needle_depths": [round(start / len(context), 4) for _, start, _ in spans],
+                "needle_spans": [(start, end) for _, start, end in spans],
                 "nominal_depths": sorted(fractions),
             },
         )

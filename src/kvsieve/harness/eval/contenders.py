@@ -7,7 +7,9 @@ import operator
 
 from ...selection.errors import PolicyError
 from ...selection.policy import Policy
+from ...selection.scorers import SCORERS
 from ...selection.spec import make_policy, split_policies
+from .forced import FORCE_MARK, FORCINGS, ForcedSlots
 from .methods import FULL, KVPRESS_PREFIX, CacheMethod, FullCache, KvpressPress, KvsievePolicy
 
 
@@ -51,12 +53,30 @@ def kvpress_method(spec: str) -> KvpressPress:
     return KvpressPress(press, int(value))
 
 
+def forced_method(spec: str) -> ForcedSlots:
+    """A policy with each case's evidence forced in, from ``<policy>@force=<forcing>/<swap_out>`` (the name
+    `ForcedSlots` gives itself): ``"trimkv+global@force=all/caote"`` is the evidence-first oracle of the default."""
+    policy, _, rest = spec.partition(FORCE_MARK)
+    forcing, _, swap_out = rest.partition("/")
+    if forcing not in FORCINGS:
+        raise PolicyError(f"{spec}: unknown forcing {forcing!r}; known: {', '.join(FORCINGS)}")
+    if swap_out not in SCORERS:
+        raise PolicyError(
+            f"{spec}: after the forcing comes the scorer whose lowest kept entries make room "
+            f"(e.g. @force={forcing}/caote), got {swap_out!r}; known: {', '.join(SCORERS)}"
+        )
+    return ForcedSlots(make_policy(policy), forcing, SCORERS[swap_out]())
+
+
 def contender(spec: str | Policy) -> CacheMethod:
-    """The method a spec names: the full cache, a kvpress press (``kvpress:...``) or a kvsieve policy."""
+    """The method a spec names: the full cache, a kvpress press (``kvpress:...``), a kvsieve policy, or one
+    with the evidence forced in (``...@force=all/caote``)."""
     if spec == FULL:
         return FullCache()
     if isinstance(spec, str) and spec.startswith(KVPRESS_PREFIX):
         return kvpress_method(spec)
+    if isinstance(spec, str) and FORCE_MARK in spec:
+        return forced_method(spec)
     return kvsieve_method(spec)
 
 

@@ -32,6 +32,9 @@ from .streams import Stream
 Forcing = Literal["all", "evicted", "partial"]
 FORCINGS: tuple[str, ...] = ("all", "evicted", "partial")
 
+#: What joins a policy's spec to its forcing in a forced variant's name: ``<policy>@force=<forcing>/<swap_out>``.
+FORCE_MARK = "@force="
+
 Spans = tuple[tuple[int, int], ...]
 
 
@@ -121,7 +124,7 @@ class ForcedSlots:
 
     @property
     def name(self) -> str:
-        return f"{self.policy.name}@force={self.forcing}/{self.swap_out.name}"
+        return f"{self.policy.name}{FORCE_MARK}{self.forcing}/{self.swap_out.name}"
 
     @property
     def needs(self) -> Needs:
