@@ -48,7 +48,7 @@ def every_needle(sample: TaskSample) -> TaskSample:
 
 
 def forms(rows: pd.DataFrame, forced_form: str) -> pd.DataFrame:
-    """Sweep rows with the policy split into the policy it evicts by and the form (`FORMS`) it runs in."""
+    """Sweep rows with each policy named by what it evicts by, and its form: `FULL`, `AS_IT_IS`, or `forced_form`."""
     forced = rows.policy.str.contains(FORCE_MARK, regex=False)
     form = np.where(rows.policy == "full", FULL, np.where(forced, forced_form, AS_IT_IS))
     return rows.assign(policy=rows.policy.str.split(FORCE_MARK, regex=False).str[0], form=form)
