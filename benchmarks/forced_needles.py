@@ -76,10 +76,11 @@ def measure(
 def markdown(report: dict) -> str:
     """One table: every (policy, form, rate) row's answers per draw and its paired difference from the full cache."""
     rows = pd.DataFrame(report["rows"])
-    full = rows[rows.form == FULL].set_index(["seed", "sample"]).correct.astype(int)
+    is_full = rows.form == FULL
+    full = rows[is_full].set_index(["seed", "sample"]).correct.astype(int)
     n = report["samples"] * len(report["tasks"])
-    body = [[FULL, "", "", _per_draw(rows[rows.form == FULL], report["seeds"]), "", _by_task(rows[rows.form == FULL])]]
-    for (policy, form, rate), got in rows[rows.form != FULL].groupby(["policy", "form", "rate"], sort=False):
+    body = [[FULL, "", "", _per_draw(rows[is_full], report["seeds"]), "", _by_task(rows[is_full])]]
+    for (policy, form, rate), got in rows[~is_full].groupby(["policy", "form", "rate"], sort=False):
         diff = got.set_index(["seed", "sample"]).correct.astype(int) - full
         lo, hi = (len(diff) * x for x in bootstrap_mean_ci(diff.to_numpy()))
         paired = f"{int(diff.sum()):+d} [{lo:+.0f}, {hi:+.0f}] of {len(diff)}"
