@@ -7,16 +7,18 @@ kv-head) (the sample's evidence: the diagnostic's evidence-first oracle, `<polic
 and with every needle of the haystack forced in (the asked one and its three distractors). Forcing
 swaps entries within each head, the lowest `--swap-out` score out first, so every head keeps as many
 entries as the policy gave it. Per row: the samples answered on each draw, and the difference from the
-full cache, paired by sample with a bootstrap interval.
+full cache, paired by sample with a bootstrap interval. A rerun measures only the (policy, rate) pairs
+the JSON lacks and keeps the rows it holds; `--fresh` starts over.
 
     python benchmarks/forced_needles.py [--policies "trimkv+global;random"] [--rates 0.75] [--samples 30]
-        [--seeds 0,1]
+        [--seeds 0,1] [--fresh]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import numpy as np
 import pandas as pd
@@ -33,7 +35,7 @@ from kvsieve.harness.models import DEFAULT_MODEL
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table
 from kvsieve.harness.runners import LocalRunner
-from results_io import Output
+from results_io import RESULTS, Output
 
 TASKS = ("niah_ledger", "niah_locker")
 FULL, AS_IT_IS, ASKED, EVERY = "full cache", "as it is", "asked needle forced", "every needle forced"
@@ -104,6 +106,26 @@ def _by_task(rows: pd.DataFrame) -> str:
 TABLE = Output("forced_needles", {"": markdown})
 
 
+def stored_rows(settings: dict, fresh: bool) -> pd.DataFrame:
+    """The rows of the stored report (none with `fresh` or none stored); ValueError if its settings (model, tasks,
+    samples, length, seeds, swap-out scorer) are not `settings`: a rerun adds rows only to a report measured alike."""
+    path = RESULTS / f"{TABLE.stem}.json"
+    if fresh or not path.is_file():
+        return pd.DataFrame(columns=["policy", "rate"])
+    stored = json.loads(path.read_text())
+    differ = [f"{key} {stored.get(key)!r} (now {now!r})" for key, now in settings.items() if stored.get(key) != now]
+    if differ:
+        raise ValueError(f"{path.name} was measured with {', '.join(differ)}: pass --fresh to start over")
+    return pd.DataFrame(stored["rows"])
+
+
+def missing(rows: pd.DataFrame, policies: list[str], rates: list[float]) -> dict[float, list[str]]:
+    """The policies each rate still lacks in `rows` (rates with none left out)."""
+    done = {(policy, round(rate, 6)) for policy, rate in zip(rows.policy, rows.rate, strict=True)}
+    todo = {rate: [policy for policy in policies if (policy, round(rate, 6)) not in done] for rate in rates}
+    return {rate: todo[rate] for rate in rates if todo[rate]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policies", default="trimkv+global;random", help="semicolon-separated kvsieve specs")
@@ -112,20 +134,26 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=1536)
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--swap-out", default="caote", help="the scorer whose lowest kept entries make room")
+    parser.add_argument("--fresh", action="store_true", help="forget the rows already in the JSON")
     args = parser.parse_args()
     policies = [spec for spec in args.policies.split(";") if spec]
     rates, seeds = [float(r) for r in args.rates.split(",")], [int(s) for s in args.seeds.split(",")]
+    report = {"model": DEFAULT_MODEL, "tasks": list(TASKS), "samples": args.samples, "length": args.length}
+    report |= {"seeds": seeds, "swap_out": args.swap_out}
     try:
         parse_contenders([*policies, *forced_specs(policies, args.swap_out)])
+        stored = stored_rows(report, args.fresh)
     except ValueError as err:
         parser.error(str(err))
-    model, tokenizer = load_model()
-    runner, frames = LocalRunner(model, tokenizer), []
-    for seed in seeds:
-        samples = task_samples(list(TASKS), tokenizer, length=args.length, n=args.samples, seed=seed)
-        frames.append(measure(runner, samples, policies, rates, args.swap_out).assign(seed=seed))
-    report = {"model": DEFAULT_MODEL, "tasks": list(TASKS), "samples": args.samples, "length": args.length}
-    report |= {"seeds": seeds, "swap_out": args.swap_out, "rows": pd.concat(frames).to_dict("records")}
+    frames = [stored] if len(stored) else []
+    todo = missing(stored, policies, rates)
+    runner = LocalRunner(*load_model()) if todo else None
+    for seed in seeds if todo else []:
+        samples = task_samples(list(TASKS), runner.tokenizer, length=args.length, n=args.samples, seed=seed)
+        for rate, todo_policies in todo.items():
+            frames.append(measure(runner, samples, todo_policies, [rate], args.swap_out).assign(seed=seed))
+    rows = pd.concat(frames).drop_duplicates(["seed", "sample", "policy", "form", "rate"])
+    report["rows"] = rows.to_dict("records")
     Console().print(markdown(report))
     print(f"wrote {TABLE.write(report)}")
 

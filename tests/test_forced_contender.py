@@ -98,6 +98,23 @@ def test_the_table_pairs_every_row_with_the_full_cache():
     assert table[1].tolist()[1:] == [AS_IT_IS, ASKED, EVERY]
 
 
+def test_a_rerun_measures_only_the_pairs_the_stored_rows_lack():
+    rows = pd.DataFrame({"policy": ["full", "p", "p", "q"], "rate": [0.0, 0.75, 0.75, 0.9]})
+    assert forced_needles.missing(rows, ["p", "q"], [0.75, 0.9]) == {0.75: ["q"], 0.9: ["p"]}
+    assert forced_needles.missing(rows, ["p"], [0.75]) == {}
+
+
+def test_a_rerun_refuses_rows_measured_with_other_settings(tmp_path, monkeypatch):
+    settings = {"model": "m", "tasks": ["a"], "samples": 30, "length": 64, "seeds": [0, 1], "swap_out": "caote"}
+    rows = [{"policy": "p", "rate": 0.75, "correct": True}]
+    (tmp_path / "forced_needles.json").write_text(json.dumps(settings | {"rows": rows}))
+    monkeypatch.setattr(forced_needles, "RESULTS", tmp_path)
+    assert forced_needles.stored_rows(settings, fresh=False).to_dict("records") == rows
+    assert forced_needles.stored_rows(settings, fresh=True).empty
+    with pytest.raises(ValueError, match=re.escape("samples 30 (now 10): pass --fresh to start over")):
+        forced_needles.stored_rows(settings | {"samples": 10}, fresh=False)
+
+
 def test_the_sweep_command_runs_a_forced_spec_beside_its_policy(model_dir, tmp_path):
     out = tmp_path / "sweep"
     args = ["sweep", "--model", str(model_dir), "--tasks", "base", "--rates", "0.75", "--samples", "1"]
