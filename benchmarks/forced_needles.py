@@ -123,7 +123,7 @@ def missing(rows: pd.DataFrame, policies: list[str], rates: list[float]) -> dict
     """The policies each rate still lacks in `rows` (rates with none left out)."""
     done = {(policy, round(rate, 6)) for policy, rate in zip(rows.policy, rows.rate, strict=True)}
     todo = {rate: [policy for policy in policies if (policy, round(rate, 6)) not in done] for rate in rates}
-    return {rate: todo[rate] for rate in rates if todo[rate]}
+    return {rate: left for rate, left in todo.items() if left}
 
 
 def main() -> None:
@@ -140,6 +140,8 @@ def main() -> None:
     rates, seeds = [float(r) for r in args.rates.split(",")], [int(s) for s in args.seeds.split(",")]
     report = {"model": DEFAULT_MODEL, "tasks": list(TASKS), "samples": args.samples, "length": args.length}
     report |= {"seeds": seeds, "swap_out": args.swap_out}
+    if not policies:
+        parser.error("--policies names no policy")
     try:
         parse_contenders([*policies, *forced_specs(policies, args.swap_out)])
         stored = stored_rows(report, args.fresh)
@@ -147,11 +149,12 @@ def main() -> None:
         parser.error(str(err))
     frames = [stored] if len(stored) else []
     todo = missing(stored, policies, rates)
-    runner = LocalRunner(*load_model()) if todo else None
-    for seed in seeds if todo else []:
-        samples = task_samples(list(TASKS), runner.tokenizer, length=args.length, n=args.samples, seed=seed)
-        for rate, todo_policies in todo.items():
-            frames.append(measure(runner, samples, todo_policies, [rate], args.swap_out).assign(seed=seed))
+    if todo:
+        runner = LocalRunner(*load_model())
+        for seed in seeds:
+            samples = task_samples(list(TASKS), runner.tokenizer, length=args.length, n=args.samples, seed=seed)
+            for rate, todo_policies in todo.items():
+                frames.append(measure(runner, samples, todo_policies, [rate], args.swap_out).assign(seed=seed))
     rows = pd.concat(frames).drop_duplicates(["seed", "sample", "policy", "form", "rate"])
     report["rows"] = rows.to_dict("records")
     Console().print(markdown(report))
