@@ -137,11 +137,11 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="forget the rows already in the JSON")
     args = parser.parse_args()
     policies = [spec for spec in args.policies.split(";") if spec]
+    if not policies:
+        parser.error("--policies names no policy")
     rates, seeds = [float(r) for r in args.rates.split(",")], [int(s) for s in args.seeds.split(",")]
     report = {"model": DEFAULT_MODEL, "tasks": list(TASKS), "samples": args.samples, "length": args.length}
     report |= {"seeds": seeds, "swap_out": args.swap_out}
-    if not policies:
-        parser.error("--policies names no policy")
     try:
         parse_contenders([*policies, *forced_specs(policies, args.swap_out)])
         stored = stored_rows(report, args.fresh)
