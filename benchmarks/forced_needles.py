@@ -35,6 +35,7 @@ from kvsieve.harness.models import DEFAULT_MODEL
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table
 from kvsieve.harness.runners import LocalRunner
+from policy_args import policy_list
 from results_io import RESULTS, Output
 
 TASKS = ("niah_ledger", "niah_locker")
@@ -136,9 +137,7 @@ def main() -> None:
     parser.add_argument("--swap-out", default="caote", help="the scorer whose lowest kept entries make room")
     parser.add_argument("--fresh", action="store_true", help="forget the rows already in the JSON")
     args = parser.parse_args()
-    policies = [spec for spec in args.policies.split(";") if spec]
-    if not policies:
-        parser.error("--policies names no policy")
+    policies = policy_list(parser, args.policies)
     rates, seeds = [float(r) for r in args.rates.split(",")], [int(s) for s in args.seeds.split(",")]
     report = {"model": DEFAULT_MODEL, "tasks": list(TASKS), "samples": args.samples, "length": args.length}
     report |= {"seeds": seeds, "swap_out": args.swap_out}

@@ -63,6 +63,7 @@ from kvsieve.harness.training.soup import average_gates
 from kvsieve.harness.training.train import STATE_FILE, TrainConfig, train_gates
 from kvsieve.modeling.gates import NEXT_STEP, Horizons
 from kvsieve.selection.checkpoint import CONFIG_FILE, GateCheckpointError, TrainRecord, read_gates, resolve_gates
+from policy_args import policy_list
 from results_io import RESULTS, Output, named_for
 
 RATES = [0.5, 0.75, 0.9, 0.95]
@@ -393,6 +394,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where the model runs and variants train (cpu, cuda, ...)")
     parser.add_argument("--against", help="also pair every policy with this one (its label) at every rate; kept")
     args = parser.parse_args()
+    policies = RIVALS[args.model] if args.policies is None else policy_list(parser, args.policies)
     if args.variants is None:
         variants = list(NAMES) if args.policies is None and args.against is None else []
     else:
@@ -415,7 +417,6 @@ def main() -> None:
     if {k: report.get(k, SETTING_DEFAULTS.get(k)) for k in setting} != setting:
         report = setting | {"policies": {}}
     todo = {variant_label(name): name for name in variants}
-    policies = RIVALS[args.model] if args.policies is None else filter(None, args.policies.split(";"))
     todo |= {spec.replace(f"{home}/", ""): spec for spec in policies}
     if args.against is not None:
         known = [*report["policies"], *todo]

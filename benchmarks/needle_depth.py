@@ -35,6 +35,7 @@ from kvsieve.harness.models import DEFAULT_MODEL, GEMMA_MODEL
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table, plot_recall_by_depth
 from kvsieve.harness.runners import LocalRunner
+from policy_args import policy_list
 from results_io import RESULTS, Output, named_for
 
 RAW = Path(__file__).parent.parent / "results"
@@ -129,7 +130,7 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, choices=[DEFAULT_MODEL, GEMMA_MODEL])
     args = parser.parse_args()
     stem = named_for("needle_depth", None if args.model == DEFAULT_MODEL else args.model)
-    policies = [spec for spec in args.policies.split(";") if spec]
+    policies = policy_list(parser, args.policies)
     rates = [float(rate) for rate in args.rates.split(",")]
     model, tokenizer = load_model(args.model)
     samples = task_samples(list(UNSEEN_TASKS), tokenizer, length=args.length, n=args.samples, seed=0)

@@ -29,6 +29,7 @@ from kvsieve.harness.data.suites import task_samples
 from kvsieve.harness.models import GEMMA_MODEL
 from kvsieve.harness.progress import progress_bar
 from kvsieve.harness.report import markdown_table
+from policy_args import policy_list
 from results_io import Output, named_for
 
 
@@ -93,7 +94,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=30)
     parser.add_argument("--length", type=int, default=1536)
     args = parser.parse_args()
-    policies = [spec for spec in args.policies.split(";") if spec]
+    policies = policy_list(parser, args.policies)
     rates = [float(rate) for rate in args.rates.split(",")]
     model, tokenizer = load_model(args.model)
     samples = task_samples([args.task], tokenizer, length=args.length, n=args.samples, seed=0)

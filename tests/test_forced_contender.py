@@ -104,13 +104,6 @@ def test_a_rerun_measures_only_the_pairs_the_stored_rows_lack():
     assert forced_needles.missing(rows, ["p"], [0.75]) == {}
 
 
-def test_an_empty_policy_list_is_refused_before_the_model_loads(monkeypatch, capsys):
-    monkeypatch.setattr("sys.argv", ["forced_needles.py", "--policies", ";"])
-    with pytest.raises(SystemExit):
-        forced_needles.main()
-    assert "--policies names no policy" in capsys.readouterr().err
-
-
 def test_a_rerun_refuses_rows_measured_with_other_settings(tmp_path, monkeypatch):
     settings = {"model": "m", "tasks": ["a"], "samples": 30, "length": 64, "seeds": [0, 1], "swap_out": "caote"}
     rows = [{"policy": "p", "rate": 0.75, "correct": True}]
