@@ -20,7 +20,9 @@ def test_specs_split_on_semicolons_and_keep_their_own_commas():
 @pytest.mark.parametrize("script", ["forced_needles", "gate_ablation", "needle_depth", "needle_tokens"])
 def test_an_empty_policy_list_is_refused_before_the_model_loads(script, monkeypatch, capsys):
     module = _benchmarks_module(script)
-    monkeypatch.setattr(module, "load_model", _no_model, raising=False)
+    for loader in ("load_model", "ModelChoice"):  # how the scripts load their model
+        if hasattr(module, loader):
+            monkeypatch.setattr(module, loader, _no_model)
     monkeypatch.setattr("sys.argv", [f"{script}.py", "--policies", " ; "])
     with pytest.raises(SystemExit):
         module.main()
