@@ -30,7 +30,7 @@ DOC = HERE.parent / "docs" / "benchmarks.md"
 #: The docs with generated tables: every benchmark's in DOC, the vLLM plugin's serving table in its own page too.
 DOCS = (DOC, HERE.parent / "docs" / "vllm.md")
 #: The modules of this folder that are not benchmarks.
-HELPERS = ("render_docs", "results_io", "gates_provenance")
+HELPERS = ("render_docs", "results_io", "gates_provenance", "policy_args")
 START = re.compile(r"<!-- results: (?P<name>[\w.-]+\.md)(?:#(?P<table>\d+))? -->")
 END = "<!-- end results -->"
 
