@@ -160,6 +160,8 @@ MOST = "most"
 # the codec whose stored entries full-attention layers read (None: the entries as computed), and the positions
 # below which every entry is read back stored (an eviction that quantized a residual)
 _STORED: dict[str, object] = {"codec": None, "below": 0}
+# merged[layer] -> (keys [kv_heads, d], values [kv_heads, d], bias [kv_heads]): one more column per kv-head
+_MERGED: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def _masked_reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -187,6 +189,12 @@ def _masked_reference_attention(module, query, key, value, attention_mask, dropo
         if module.layer_idx in _ALLOWED:
             allowed = allowed & _ALLOWED[module.layer_idx][kv_h][:kv_len].to(query.device)[None, :]
         scores = scores.masked_fill(~allowed, float("-inf"))
+        values = value[0, kv_h].double()
+        if module.layer_idx in _MERGED:
+            merged_key, merged_value, bias = (t[kv_h].double() for t in _MERGED[module.layer_idx])
+            merged_score = (query[0, h].double() @ merged_key) * scaling + bias
+            scores = torch.cat([scores, merged_score[:, None]], -1)
+            values = torch.cat([values, merged_value[None]])
         probs = torch.softmax(scores, -1)
         if TALLY in _RECEIVED:
             _RECEIVED.setdefault(module.layer_idx, torch.zeros(n_heads, 4096, dtype=torch.float64))[h, :kv_len] += (
@@ -195,7 +203,7 @@ def _masked_reference_attention(module, query, key, value, attention_mask, dropo
         if MOST in _RECEIVED:
             held = _RECEIVED.setdefault(module.layer_idx, torch.zeros(n_heads, 4096, dtype=torch.float64))
             held[h, :kv_len] = torch.maximum(held[h, :kv_len], probs.amax(0).cpu())
-        out[0, h] = (probs @ value[0, kv_h].double()).to(query.dtype)
+        out[0, h] = (probs @ values).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -215,7 +223,8 @@ class MaskedReference:
     (encoded and decoded again, in the model's dtype): every entry older than the newest
     `codec.residual` before the forward, and every one below position `stored_below` (a residual an
     eviction quantized); the forward's own tokens as computed. The prefix is prefilled from the
-    entries as computed, as `kvsieve.compress` prefills.
+    entries as computed, as `kvsieve.compress` prefills. `merged`: per layer, each kv-head's merged entry (key,
+    value, logit bias; `kvsieve.selection.merge`), one more column every query sees.
     """
 
     def __init__(
@@ -225,8 +234,10 @@ class MaskedReference:
         kept: Kept,
         codec: EntryCodec | None = None,
         stored_below: int = 0,
+        merged: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.model = model
+        self.merged = merged or {}
         self.codec, self.stored_below = codec, stored_below
         self.prefix_len = prefix.shape[1]
         self.allowed = {}
@@ -274,10 +285,13 @@ class MaskedReference:
         _ALLOWED.clear()
         _ALLOWED.update(self.allowed)
         _STORED["codec"], _STORED["below"] = self.codec, self.stored_below
+        _MERGED.clear()
+        _MERGED.update(self.merged)
         return self
 
     def __exit__(self, *exc: object) -> None:
         _ALLOWED.clear()
+        _MERGED.clear()
         _STORED["codec"], _STORED["below"] = None, 0
         self.model.set_attn_implementation(self._previous)
 

@@ -66,6 +66,9 @@ class FixedKeep:
             out.append(layer)
         return out
 
+    def merged_entries(self, observations, kept):
+        return None
+
 
 @torch.no_grad()
 def test_forced_eviction_keeps_each_heads_count_and_forces_the_spans(lm, tok):
@@ -120,6 +123,9 @@ class _Wrapped:
 
     def kept_entries(self, observations, reserved=0, entry_bytes=None):
         return self.plan.kept_entries(observations, reserved)
+
+    def merged_entries(self, observations, kept):
+        return None
 
 
 # ---------------------------------------------------------------- attribution

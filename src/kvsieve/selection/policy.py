@@ -13,6 +13,7 @@ import torch
 from .allocators import Allocator, Uniform
 from .budget import Budget, Rate, as_budget
 from .errors import PolicyError
+from .merge import Merge, Merged, merge_evicted
 from .observation import Needs, Observation
 from .projection import Projection, TopK, check_spans
 from .protection import DEFAULT_N_RECENT, DEFAULT_N_SINK, PROTECTION_DEFAULTS, protected_mask
@@ -53,7 +54,9 @@ class Policy:
     (`Needs.gates`, `RetentionGates.projection`), else `TopK`.
     The first `n_sink` entries and the last `n_recent` of every head are never evicted. `storage`
     (`kvsieve.selection.storage`) says how the kept entries are stored (``kv_bits=4``); `select` does not
-    read it (its caller passes the bytes an entry is stored in), the runtime stores them so.
+    read it (its caller passes the bytes an entry is stored in), the runtime stores them so. `merge`
+    (`kvsieve.selection.merge`, ``merge=window``) folds what each head evicts into one merged entry (`merged`),
+    which takes one of the head's kept slots.
     """
 
     scorer: Scorer
@@ -62,6 +65,7 @@ class Policy:
     n_sink: int = DEFAULT_N_SINK
     n_recent: int = DEFAULT_N_RECENT
     storage: Storage = FULL_STORAGE
+    merge: Merge | None = None
 
     def __post_init__(self) -> None:
         if self.n_sink < 0 or self.n_recent < 0:
@@ -76,13 +80,15 @@ class Policy:
         params += [f"{key}={value}" for key, value in protection.items() if value != PROTECTION_DEFAULTS[key]]
         if self.projection is not None:
             params += projection_parameters(self.projection)
+        if self.merge is not None:
+            params.append(f"merge={self.merge.name}")
         params += [f"{key}={value}" for key, value in self.storage.parameters().items()]
         return f"{head}:{','.join(params)}" if params else head
 
     @property
     def needs(self) -> Needs:
         """What the observed prefill must record for this policy."""
-        return self.scorer.needs
+        return self.scorer.needs if self.merge is None else self.scorer.needs | self.merge.needs
 
     @property
     def needs_spans(self) -> bool:
@@ -132,6 +138,8 @@ class Policy:
         shares = budget.shares(evictable, protected, stored)
         if _keeps_everything(evictable, shares):
             return [[o.valid_mask[h].nonzero().flatten() for h in range(o.num_kv_heads)] for o in observations]
+        if self.merge is not None:
+            shares = [[max(0, share - 1) for share in per_head] for per_head in shares]  # the merged entry's slot
         projection = self._projection(observations[0], spans)
         scores = [self._scores(o) for o in observations]
         counts = self.allocator.counts(scores, evictable, shares, calibrated=self.scorer.calibrated)
@@ -139,6 +147,15 @@ class Policy:
             projection.pick(s, p, e, c, o.positions, spans)
             for o, s, p, e, c in zip(observations, scores, protected, evictable, counts, strict=True)
         ]
+
+    def merged(
+        self, observations: Sequence[Observation], kept: Sequence[Sequence[torch.Tensor]]
+    ) -> list[Merged] | None:
+        """Per observed layer, what each head evicted (every valid entry `kept`, `select`'s answer, does not name)
+        folded into one merged entry; None for a policy that names no merge."""
+        if self.merge is None:
+            return None
+        return [merge_evicted(self.merge, o, k) for o, k in zip(observations, kept, strict=True)]
 
     def _projection(self, obs: Observation, spans: torch.Tensor | None) -> Projection:
         """The projection it names; else the one its gates' checkpoint records (`Needs.gates`); else `TopK`."""

@@ -3,7 +3,8 @@
 A spec names a scorer (`kvsieve.selection.scorers`) and optionally an allocator
 (`kvsieve.selection.allocators`, ``uniform`` by default); its parameters belong to the scorer, the
 allocator, the protection (`n_sink`, `n_recent`), the projection (``projection=topk|chunk|sentence``
-and the chosen projection's own parameters, e.g. `chunk_size`) or the storage of the kept entries
+and the chosen projection's own parameters, e.g. `chunk_size`), the merge of what is evicted
+(``merge=mean|window``: `kvsieve.selection.merge`) or the storage of the kept entries
 (`kv_bits`, `kv_group`, `kv_residual`, `kv_codec`: `kvsieve.selection.storage`). `Policy.name` writes the spec back.
 """
 
@@ -14,6 +15,7 @@ import dataclasses
 from .allocators import ALLOCATORS
 from .deprecation import renamed_keywords
 from .errors import PolicyError
+from .merge import MERGES, Merge
 from .policy import Policy
 from .projection import PROJECTIONS, Projection, TopK
 from .protection import PROTECTION_DEFAULTS
@@ -111,7 +113,19 @@ def _parts(scorer_name: str, allocator_name: str) -> dict[str, dict[str, object]
         "allocator": _defaults(ALLOCATORS[allocator_name]),
         "protection": dict(PROTECTION_DEFAULTS),
         "projection": {"projection": TopK.name} | {k: v for c in PROJECTIONS.values() for k, v in _defaults(c).items()},
+        "merge": {"merge": ""},
     }
+
+
+def _merge(choice: object) -> Merge | None:
+    """The merge `merge=` names (a name or a `Merge`); None for none."""
+    if choice is None or choice == "":
+        return None
+    if not isinstance(choice, str):
+        return choice
+    if choice not in MERGES:
+        raise PolicyError(f"unknown merge {choice!r}; known: {', '.join(MERGES)}")
+    return MERGES[choice]()
 
 
 def policy_keywords() -> frozenset[str]:
@@ -119,7 +133,7 @@ def policy_keywords() -> frozenset[str]:
     projection, the protection, `projection`, the storage keys and the deprecated names."""
     classes = [*SCORERS.values(), *ALLOCATORS.values(), *PROJECTIONS.values()]
     fields = {key for cls in classes for key in _defaults(cls)}
-    return frozenset({*fields, *PROTECTION_DEFAULTS, "projection", *STORAGE_KEYS, *DEPRECATED_PARAMETERS})
+    return frozenset({*fields, *PROTECTION_DEFAULTS, "projection", "merge", *STORAGE_KEYS, *DEPRECATED_PARAMETERS})
 
 
 def make_policy(spec: str | Policy, allocator: str | None = None, **params: object) -> Policy:
@@ -133,7 +147,8 @@ def make_policy(spec: str | Policy, allocator: str | None = None, **params: obje
             `n_recent`, `projection` (``topk``, ``chunk``, ``sentence``, or a `Projection`) and the
             projection's own (`chunk_size` for ``chunk``; `best_tokens` for ``chunk`` and ``sentence``), e.g.
             ``"snapkv+global:projection=chunk,chunk_size=16"``; none named: the one the checkpoint of the
-            gates the scorer reads records, else ``topk`` (`Policy.projection`).
+            gates the scorer reads records, else ``topk`` (`Policy.projection`); `merge` (``mean``, ``window``,
+            or a `kvsieve.selection.merge.Merge`): what each head evicts lives on as one merged entry.
             The deprecated `budget` (the allocator) and `sliding_window` (`n_recent`) still work, with a warning.
             The storage keys `kv_bits`, `kv_group`, `kv_residual`, `kv_codec` (`kvsieve.selection.storage.Storage`) may
             also be given with a `Policy`; one the spec (or the `Policy`) sets to another value is an error,
@@ -167,7 +182,9 @@ def make_policy(spec: str | Policy, allocator: str | None = None, **params: obje
     except (TypeError, ValueError) as err:
         raise PolicyError(f"{spec}: {err}") from None
     stored = Storage(**said).merged(storage, spec)
-    return Policy(scorer, allocator_obj, _projection(kwargs["projection"]), **kwargs["protection"], storage=stored)
+    projection = _projection(kwargs["projection"])
+    merge = _merge(kwargs["merge"].get("merge"))
+    return Policy(scorer, allocator_obj, projection, **kwargs["protection"], storage=stored, merge=merge)
 
 
 def split_policies(text: str) -> list[str]:

@@ -53,6 +53,8 @@ def unservable(policy: Policy) -> list[str]:
         why.append(f"the {policy.projection.name} projection's spans, which a vLLM request does not carry")
     if policy.storage != FULL_STORAGE:
         why.append("kvsieve's own storage (kv_bits, kv_codec); vLLM stores entries in --kv-cache-dtype")
+    if policy.merge is not None:
+        why.append("merged entries (merge=), a logit bias per entry that vLLM's attention kernels do not add")
     return why
 
 

@@ -22,6 +22,7 @@ from typing import ClassVar, Literal
 import torch
 
 from ...runtime.api.evictions import Eviction
+from ...selection.merge import Merged
 from ...selection.observation import Needs, Observation
 from ...selection.policy import Policy
 from ...selection.protection import protected_mask
@@ -102,6 +103,11 @@ class ForcedEviction:
                 layer.append(swap_in(keep, obs.positions[h], force, droppable[h], swap_out[h]))
             out.append(layer)
         return out
+
+    def merged_entries(
+        self, observations: Sequence[Observation], kept: Sequence[Sequence[torch.Tensor]]
+    ) -> list[Merged] | None:
+        return self.base.merged_entries(observations, kept)
 
 
 @dataclass(frozen=True)

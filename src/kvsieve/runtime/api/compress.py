@@ -11,6 +11,7 @@ import torch
 from ...modeling.architecture import layer_windows
 from ...selection.budget import Budget, Rate, SizeBudget, check_count, make_budget
 from ...selection.errors import PolicyError
+from ...selection.merge import Merged
 from ...selection.policy import Policy
 from ...selection.projection import MISSING_SPANS
 from ...selection.protection import question_protection
@@ -185,8 +186,9 @@ def compress_with(
     prefill = observe_prefill(model, first, policy.needs, attention_mask=attention_mask, tokenizer=tokenizer)
     if growth is not None:
         growth.start(prefill)
-    kept = _kept_per_row(prefill, policy, budget, protect_positions, row_spans, codec, bounded=growth is not None)
+    kept, merged = _kept_per_row(prefill, policy, budget, protect_positions, row_spans, codec, growth is not None)
     cache = prefill.cache.keep(kept, codec=codec)
+    cache.merge(merged)
     if growth is not None:
         growth.evicted(cache)
         if chunk is not None and input_ids.shape[1] > chunk:
@@ -203,27 +205,30 @@ def _kept_per_row(
     spans: Sequence[torch.Tensor] | None,
     codec: EntryCodec,
     bounded: bool = False,
-) -> list[list[list[torch.Tensor]]]:
-    """Stored indices every row of `prefill` keeps; a policy error names the row of a batch.
+) -> tuple[list[list[list[torch.Tensor]]], list[list[Merged] | None]]:
+    """Stored indices every row of `prefill` keeps, and what it merges (`Policy.merged`); a policy error names the
+    row of a batch.
 
     A byte budget pays for the sliding-window layers' windows and the codec's full-precision residuals
     first (`Budget.reserve`) and counts entries as `codec` stores them. `spans`: each row's span ids
     over its real tokens (`spans_per_row`). `bounded`: the cache will be held at the budget as it grows,
     and this is its first eviction (`Observation.bounded`).
     """
-    keep = []
+    keep, merged = [], []
     for row, observations in enumerate(prefill.observations):
         observations = [dataclasses.replace(o, bounded=bounded) for o in observations]
         try:
             row_spans = None if spans is None else spans[row]
             budget = limit.reserve(prefill.cache.window_nbytes() + residual_nbytes(codec, observations))
             stored = stored_entry_bytes(codec, observations)
-            keep.append(prefill.stored(row, policy.select(observations, budget, protect, row_spans, stored)))
+            kept = policy.select(observations, budget, protect, row_spans, stored)
         except PolicyError as err:
             if len(prefill.observations) == 1:
                 raise
             raise PolicyError(f"sequence {row} of the batch: {err}") from None
-    return keep
+        keep.append(prefill.stored(row, kept))
+        merged.append(policy.merged(observations, kept))
+    return keep, merged
 
 
 def spans_per_row(

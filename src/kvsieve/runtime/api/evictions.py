@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 from ...selection.budget import Budget, as_budget
+from ...selection.merge import Merged
 from ...selection.observation import Observation
 from ...selection.policy import Policy
 from ...selection.spec import make_policy
@@ -39,6 +40,12 @@ class Eviction:
         budget = as_budget(self.budget).reserve(reserved)
         return make_policy(self.policy).select(observations, budget, self.protect_positions, self.spans, entry_bytes)
 
+    def merged_entries(
+        self, observations: Sequence[Observation], kept: Sequence[Sequence[torch.Tensor]]
+    ) -> list[Merged] | None:
+        """Per observed layer, what the heads evicted (all that `kept` does not name) merged, if the policy merges."""
+        return None if self.policy is None else make_policy(self.policy).merged(observations, kept)
+
 
 class EvictionPlan(Protocol):
     """Anything that says which observed entries of one sequence to keep (`Eviction`, or a variant of one)."""
@@ -46,6 +53,10 @@ class EvictionPlan(Protocol):
     def kept_entries(
         self, observations: Sequence[Observation], reserved: int = 0, entry_bytes: int | None = None
     ) -> list[list[torch.Tensor]]: ...
+
+    def merged_entries(
+        self, observations: Sequence[Observation], kept: Sequence[Sequence[torch.Tensor]]
+    ) -> list[Merged] | None: ...
 
 
 def evictions(
@@ -59,5 +70,11 @@ def evictions(
     observations = prefill.observations[row]
     reserved = prefill.cache.window_nbytes() + residual_nbytes(codec, observations)
     stored = stored_entry_bytes(codec, observations)
-    keep = [prefill.stored(row, plan.kept_entries(prefill.observations[row], reserved, stored)) for plan in plans]
-    return prefill.cache.keep(keep, rows=[row] * len(keep), codec=codec)
+    keep, merged = [], []
+    for plan in plans:
+        kept = plan.kept_entries(observations, reserved, stored)
+        keep.append(prefill.stored(row, kept))
+        merged.append(plan.merged_entries(observations, kept))
+    cache = prefill.cache.keep(keep, rows=[row] * len(keep), codec=codec)
+    cache.merge(merged)
+    return cache

@@ -8,6 +8,8 @@ of a kv-head are folded into the query axis, so keys and values are read once an
 made per head or per row.
 
 - `masked_sdpa`: one `scaled_dot_product_attention` with the visibility as its mask (every device).
+- `merged_sdpa`: `masked_sdpa` with each (row, kv-head)'s merged entry (`kvsieve.selection.merge`) as one more
+  column, its logit raised by the entry's bias.
 - `varlen_attention`: CUDA, half precision, no attention mask: torch's fused varlen flash kernel
   (`torch.nn.attention.varlen`), every (row, kv-head) one sequence of its own length, read in
   place from the padded tensors (no mask is built).
@@ -23,9 +25,13 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from ..storage.merged import MergedEntries
 
 #: Attention weights (float32) per (row, query head) in one chunk of an observed prefill: the
 #: chunk's query count depends on the context length only, so the number of calls does not grow
@@ -65,6 +71,29 @@ def masked_sdpa(
     return _unfold(out, q_heads, q)
 
 
+def merged_sdpa(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor | None,
+    merged: MergedEntries,
+    scaling: float,
+) -> torch.Tensor:
+    """`masked_sdpa` with each (row, kv-head)'s merged entry as one more column, its logit raised by its bias."""
+    rows, heads, length, _ = keys.shape
+    q = query.shape[2]
+    keys = torch.cat([keys, merged.keys[:, :, None].to(keys.dtype)], 2)
+    values = torch.cat([values, merged.values[:, :, None].to(values.dtype)], 2)
+    if visible is None:
+        additive = query.new_zeros(rows, heads, q, length)
+    elif visible.dtype == torch.bool:
+        additive = query.new_zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+    else:
+        additive = visible.to(query.dtype).expand(rows, heads, q, length)
+    bias = merged.bias.to(query.dtype)[:, :, None, None].expand(rows, heads, q, 1)
+    return masked_sdpa(query, keys, values, torch.cat([additive, bias], -1), scaling)
+
+
 def reference_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -72,7 +101,8 @@ def reference_attention(
     visible: torch.Tensor | None,
     scaling: float,
 ) -> torch.Tensor:
-    """The same attention in float64 with an explicit softmax, one (row, query head) at a time."""
+    """The same attention in float64 with an explicit softmax, one (row, query head) at a time (`visible`: bool, or
+    an additive mask)."""
     rows, q_heads, q, dim = query.shape
     group = q_heads // keys.shape[1]
     out = torch.empty(rows, q, q_heads, dim, dtype=query.dtype, device=query.device)
@@ -80,8 +110,10 @@ def reference_attention(
         for head in range(q_heads):
             kv = head // group
             scores = (query[row, head].double() @ keys[row, kv].double().T) * scaling
-            if visible is not None:
+            if visible is not None and visible.dtype == torch.bool:
                 scores = scores.masked_fill(~visible[row, kv], float("-inf"))
+            elif visible is not None:
+                scores = scores + visible[row, kv].double()
             probs = torch.softmax(scores, dim=-1)
             out[row, :, head] = (probs @ values[row, kv].double()).to(query.dtype)
     return out

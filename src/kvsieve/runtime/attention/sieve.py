@@ -26,7 +26,7 @@ from ..compat import attention_implementation_of
 from ..inputs import check_model
 from ..storage.layout import RaggedLayout, active_scope, sieve_scope
 from ..storage.segments import PAD_POSITION
-from .kernels import masked_sdpa, tallied_attention, varlen_attention, varlen_available
+from .kernels import masked_sdpa, merged_sdpa, tallied_attention, varlen_attention, varlen_available
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -105,13 +105,19 @@ def _ragged_attention(
     attention_mask: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
-    """Attention over the layer's padded view: tallied, recorded, varlen for a decoding step, or masked SDPA."""
+    """Attention over the layer's padded view: tallied, recorded, with merged entries, varlen for a decoding step, or
+    masked SDPA."""
+    if layout.merged is not None and (layout.tally is not None or layout.recorder is not None):
+        raise UnsupportedAttentionError("a layer with merged entries is neither observed again nor tallied")
     if layout.tally is not None:
         out, received = tallied_attention(query, key, value, visibility(layout, attention_mask, query.shape[2]), scale)
         layout.tally.add_received(received)
         return out
     if layout.recorder is not None:
         return layout.recorder.attend(layout, module, query, key, value, attention_mask, scale)
+    if layout.merged is not None:
+        visible = visibility(layout, attention_mask, query.shape[2])
+        return merged_sdpa(query, key, value, visible, layout.merged, scale)
     if attention_mask is None and query.shape[2] == 1 and varlen_available(query):
         valid = layout.slots.valid()
         return varlen_attention(query, key, value, None if valid is None else valid.sum(-1), scale)

@@ -24,9 +24,11 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ...modeling.architecture import layer_windows
+from ...selection.merge import Merged
 from ..compat import query_length
 from .codecs import FULL_PRECISION, EntryCodec
 from .layout import AttentionTally, QueryLog, RaggedLayout, Recorder, active_scope
+from .merged import MergedEntries
 from .quantized_segments import Store, kept_store, store_from_dense
 from .segments import Slots
 from .sliding import SlidingLayer
@@ -61,6 +63,7 @@ class SievedLayer(CacheLayerMixin):
     """One layer of a `SievedCache`: the entries of every (row, kv-head) and the number of tokens seen.
 
     `codec` says how entries are stored (`kvsieve.runtime.storage.codecs`: full precision, or quantized).
+    `merged`: what each (row, kv-head) evicted, folded into one entry (`kvsieve.selection.merge`), or None.
     """
 
     is_sliding = False
@@ -75,6 +78,7 @@ class SievedLayer(CacheLayerMixin):
         self.contiguous = True
         self.slots: Slots | None = None  # of the tensors the last `update` returned
         self.query_positions: torch.Tensor | None = None
+        self.merged: MergedEntries | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device, self.head_dim = key_states.dtype, key_states.device, key_states.shape[-1]
@@ -113,7 +117,9 @@ class SievedLayer(CacheLayerMixin):
         tally: AttentionTally | None = None,
     ) -> RaggedLayout:
         """What sieve attention must know about the tensors the last `update` returned (`storage.layout`)."""
-        return RaggedLayout(self.slots, self.query_positions, self.contiguous, layer_idx, recorder, queries, tally)
+        return RaggedLayout(
+            self.slots, self.query_positions, self.contiguous, layer_idx, recorder, queries, tally, self.merged
+        )
 
     def get_seq_length(self) -> int:
         return self.seen_tokens
@@ -146,11 +152,13 @@ class SievedLayer(CacheLayerMixin):
         return [self.segments.segment(row, h)[2].clone() for h in range(self.segments.heads)]
 
     def nbytes(self) -> int:
-        return 0 if self.segments is None else self.segments.nbytes()
+        merged = 0 if self.merged is None else self.merged.nbytes()
+        return merged + (0 if self.segments is None else self.segments.nbytes())
 
     def row_nbytes(self, row: int) -> int:
-        """Bytes one sequence's entries take in this layer."""
-        return 0 if self.segments is None else self.segments.row_nbytes(row)
+        """Bytes one sequence's entries (merged ones included) take in this layer."""
+        merged = 0 if self.merged is None else self.merged.row_nbytes(row)
+        return merged + (0 if self.segments is None else self.segments.row_nbytes(row))
 
     def reserved_nbytes(self) -> int:
         """Bytes per sequence a byte budget sets aside for this layer: its residual's extra over quantized entries."""
@@ -159,7 +167,8 @@ class SievedLayer(CacheLayerMixin):
         return self.segments.heads * self.codec.residual_bytes(self.head_dim, self.dtype)
 
     def allocated_nbytes(self) -> int:
-        return 0 if self.segments is None else self.segments.allocated_nbytes()
+        merged = 0 if self.merged is None else sum(t.untyped_storage().nbytes() for t in vars(self.merged).values())
+        return merged + (0 if self.segments is None else self.segments.allocated_nbytes())
 
     def entry_bytes(self) -> int:
         """Bytes of one stored entry's key and value."""
@@ -191,7 +200,18 @@ class SievedLayer(CacheLayerMixin):
         out.seen_tokens = self.seen_tokens
         out.contiguous = self.contiguous and kept_all
         out.segments = kept_store(self.segments, sources, indices, len(rows), out.codec)
+        out.merged = None if self.merged is None else self.merged.rows(rows)
         return out
+
+    def merge(self, per_row: Sequence[Merged | None]) -> None:
+        """Hold each row's merged entries (`Policy.merged`; None: a row that merges nothing) beside its segments."""
+        if self.segments is None or len(per_row) != self.segments.rows:
+            raise ValueError(f"need merged entries for each of the {self.batch_size} rows, got {len(per_row)}")
+        if self.merged is not None:
+            raise ValueError("the layer already holds merged entries: a merge summarizes one eviction of a prompt")
+        merged = MergedEntries.stacked(per_row, self.segments.heads, self.head_dim, self.dtype, self.device)
+        self.merged = merged
+        self.contiguous = self.contiguous and merged is None
 
     def crop(self, max_length: int) -> None:
         """Forget every entry at cache position `max_length` or later (assisted decoding rolls back this way)."""
@@ -385,6 +405,18 @@ class SievedCache(Cache):
         """
         rows = list(range(len(keep))) if rows is None else list(rows)
         return SievedCache(self._kept_layers(keep, rows, copy_windows=True, codec=codec))
+
+    def merge(self, per_row: Sequence[Sequence[Merged] | None]) -> None:
+        """Hold what each row evicted as merged entries: `per_row[i][j]` is row `i`'s in the `j`-th full-attention
+        layer (`Policy.merged`), None for a row that merges nothing."""
+        if len(per_row) != self.batch_size:
+            raise ValueError(
+                f"need merged entries (or None) for each of the {self.batch_size} rows, got {len(per_row)}"
+            )
+        if all(row is None for row in per_row):
+            return
+        for j, idx in enumerate(self.full_layers):
+            self.layers[idx].merge([None if row is None else row[j] for row in per_row])
 
     def evict(self, keep: KeepIndices) -> None:
         """Keep only the given stored entries of every row, in place; the dropped tensors are released.

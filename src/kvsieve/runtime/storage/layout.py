@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from .merged import MergedEntries
 from .segments import Slots
 
 
@@ -73,6 +74,7 @@ class RaggedLayout:
         recorder: set during an observed prefill.
         queries: set on a cache that keeps recent queries for eviction during generation.
         tally: set on a cache that sums the attention each entry receives (H2O during generation).
+        merged: the layer's merged entries (`kvsieve.selection.merge`), one more column for every query.
     """
 
     slots: Slots
@@ -82,6 +84,7 @@ class RaggedLayout:
     recorder: Recorder | None = None
     queries: QueryLog | None = None
     tally: AttentionTally | None = None
+    merged: MergedEntries | None = None
 
 
 class SieveScope:

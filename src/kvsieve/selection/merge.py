@@ -1,0 +1,130 @@
+"""Merges: what a head evicts lives on as one entry (a key, a value and a logit bias), not as nothing.
+
+Evicting an entry removes its share of the softmax: the kept entries' weights grow and the output
+moves, even where the evicted entries were individually unimportant. A merge folds every entry a
+(layer, kv-head) evicts into one merged entry whose attention logit carries a bias, so the mass of
+the evicted entries stays in the softmax and their values stay in the output, approximately:
+
+- `MeanMerge` (``merge=mean``): the mean key and mean value with the bias `log n` for `n` merged entries,
+  proportional attention as token merging weighs a merged token (ToMe, arXiv 2210.09461).
+- `WindowMerge` (``merge=window``): weighted by the attention the last prompt queries (the observation
+  window, as SnapKV's, arXiv 2404.14469) paid the evicted entries, with the bias that makes the merged
+  entry's logit match their log-sum-exp for those queries on average.
+
+The merged entry takes one of the head's kept slots (`Policy.select`), so a budget holds as many entries
+with a merge as without. It summarizes one eviction of a prompt: a cache that evicts again as it grows
+(a `buffer` or `chunk`, the vLLM plugin) refuses a policy that merges.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+
+from .observation import Needs, Observation
+
+#: Why a cache that evicts again as it grows refuses a policy that merges.
+MERGE_ONCE = (
+    "{policy} folds what each head evicts into one merged entry, which summarizes one eviction of a prompt; a cache "
+    "that evicts again as it grows (buffer=, chunk=, the vLLM plugin) cannot keep it true: drop merge= from the "
+    "policy there"
+)
+
+
+@dataclass(frozen=True)
+class Merged:
+    """One layer's merged entries for one sequence: per kv-head a key `[kv_heads, d]`, a value `[kv_heads, d]` and a
+    logit bias `[kv_heads]` (float32; -inf for a head that evicted nothing)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    bias: torch.Tensor
+
+
+class Merge(Protocol):
+    """Folds a head's evicted entries into one merged entry."""
+
+    name: ClassVar[str]
+
+    @property
+    def needs(self) -> Needs:
+        """What the observed prefill must record for it."""
+        ...
+
+    def weights(self, obs: Observation, head: int, evicted: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Weights `[n]` (summing to 1) of the head's evicted entries (indices `evicted [n]`) and the logit bias."""
+        ...
+
+
+def merge_evicted(merge: Merge, obs: Observation, kept: Sequence[torch.Tensor]) -> Merged:
+    """The merged entries of one layer: every valid entry of a head that `kept[head]` does not name, folded."""
+    heads, dim = obs.num_kv_heads, obs.keys.shape[-1]
+    keys = torch.zeros(heads, dim, dtype=torch.float32, device=obs.keys.device)
+    values = torch.zeros(heads, obs.values.shape[-1], dtype=torch.float32, device=obs.keys.device)
+    bias = torch.full((heads,), float("-inf"), device=obs.keys.device)
+    for head in range(heads):
+        evicted = obs.valid_mask[head].clone()
+        evicted[kept[head].to(evicted.device)] = False
+        index = evicted.nonzero().flatten()
+        if not index.numel():
+            continue
+        weights, bias[head] = merge.weights(obs, head, index)
+        keys[head] = weights @ obs.keys[head, index].float()
+        values[head] = weights @ obs.values[head, index].float()
+    return Merged(keys, values, bias)
+
+
+@dataclass(frozen=True)
+class MeanMerge:
+    """The evicted entries' mean key and mean value, their logit raised by `log n` (ToMe's proportional attention)."""
+
+    name: ClassVar[str] = "mean"
+
+    @property
+    def needs(self) -> Needs:
+        return Needs()
+
+    def weights(self, obs: Observation, head: int, evicted: torch.Tensor) -> tuple[torch.Tensor, float]:
+        n = evicted.numel()
+        return torch.full((n,), 1.0 / n, device=evicted.device), math.log(n)
+
+
+@dataclass(frozen=True)
+class WindowMerge:
+    """The evicted entries weighted by the attention the last `WINDOW` prompt queries of the head's group paid
+    them (among themselves); the bias makes the merged logit match their log-sum-exp for those queries, on average.
+
+    A head none of whose window queries sees an evicted entry merges them as `MeanMerge` does.
+    """
+
+    name: ClassVar[str] = "window"
+    WINDOW: ClassVar[int] = 32
+
+    @property
+    def needs(self) -> Needs:
+        return Needs(window=self.WINDOW)
+
+    def weights(self, obs: Observation, head: int, evicted: torch.Tensor) -> tuple[torch.Tensor, float]:
+        window = min(self.WINDOW, obs.stats.window_queries.shape[1])  # a prompt shorter than the window has fewer
+        queries, positions = obs.queries(window)
+        group = queries.shape[0] // obs.num_kv_heads
+        mine = queries[head * group : (head + 1) * group].reshape(-1, queries.shape[-1]).float()
+        keys = obs.keys[head, evicted].float()
+        logits = (mine @ keys.T) * obs.scaling
+        later = obs.positions[head, evicted][None, :] > positions.to(evicted.device).repeat(group)[:, None]
+        logits = logits.masked_fill(later, float("-inf"))
+        seeing = ~later.all(-1)
+        if not bool(seeing.any()):
+            return MeanMerge().weights(obs, head, evicted)
+        logits = logits[seeing]
+        weights = torch.softmax(logits, -1).mean(0)
+        merged_logits = (mine[seeing] @ (weights @ keys)) * obs.scaling
+        return weights, float((torch.logsumexp(logits, -1) - merged_logits).mean())
+
+
+#: Merges by the name a policy spec gives them (``merge=NAME``).
+MERGES: dict[str, type[Merge]] = {cls.name: cls for cls in (MeanMerge, WindowMerge)}
