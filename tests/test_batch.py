@@ -43,7 +43,8 @@ def _continue(model, cache, tokens: torch.Tensor, mask: torch.Tensor | None, len
 
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize(
-    "spec", [*SCORER_SPECS, *(f"snapkv+{a}" for a in ALLOCATORS), "importance+global", "expected+adaptive"]
+    "spec",
+    [*SCORER_SPECS, *(f"snapkv+{a}" for a in ALLOCATORS), "importance+global", "expected+adaptive", "snapkv:merge=window"],
 )
 def test_each_row_equals_compressing_that_sequence_alone(model, prompts, side, spec):
     batch, mask, offsets = _padded(prompts, side)
@@ -62,7 +63,7 @@ def test_each_row_equals_compressing_that_sequence_alone(model, prompts, side, s
         torch.testing.assert_close(together[row : row + 1], single, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("spec", ["snapkv+adaptive", "importance+global", "random"])
+@pytest.mark.parametrize("spec", ["snapkv+adaptive", "importance+global", "random", "snapkv+global:merge=window"])
 @torch.no_grad()
 def test_left_padded_generate_equals_one_at_a_time(model, prompts, spec):
     batch, mask, _ = _padded(prompts, "left")

@@ -23,6 +23,7 @@ from ..runtime.eviction.growth import DEFAULT_BUFFER
 from ..runtime.observing.prefill import observe_prefill
 from ..selection.allocators import ALLOCATORS
 from ..selection.budget import check_count, check_rate
+from ..selection.merge import MERGES
 from ..selection.projection import PROJECTIONS
 from ..selection.protection import PROTECTION_DEFAULTS
 from ..selection.scorers import SCORERS
@@ -318,11 +319,12 @@ def ppl(
 
 @app.command()
 def policies() -> None:
-    """List the scorers, the allocators, the projections and their parameters."""
+    """List the scorers, the allocators, the projections, the merges and their parameters."""
     registries = (
         ("scorers", SCORERS),
         ("allocators (scorer+allocator)", ALLOCATORS),
         ("projections (:projection=NAME)", PROJECTIONS),
+        ("merges of what a head evicts (:merge=NAME)", MERGES),
     )
     for title, registry in registries:
         console.rule(title)
@@ -332,8 +334,8 @@ def policies() -> None:
             console.print(f"[bold]{name}[/bold]({params})  {escape(doc)}")
     protection = ", ".join(f"{key}={value}" for key, value in PROTECTION_DEFAULTS.items())
     console.print(
-        f"every policy also takes {protection} (protected entries) and projection= (default: the one its gates' "
-        "checkpoint records, else topk)"
+        f"every policy also takes {protection} (protected entries), projection= (default: the one its gates' "
+        "checkpoint records, else topk) and merge= (default: none)"
     )
     console.print("spec: scorer[+allocator][:key=value,...], e.g. snapkv+adaptive:window=16,safeguard=0.3")
 

@@ -95,8 +95,10 @@ class MeanMerge:
 
 @dataclass(frozen=True)
 class WindowMerge:
-    """The evicted entries weighted by the attention the last `WINDOW` prompt queries of the head's group paid
-    them (among themselves); the bias makes the merged logit match their log-sum-exp for those queries, on average.
+    """The evicted entries weighted by the last prompt queries' attention, with a fitted logit bias.
+
+    The weights: the softmax of the last `WINDOW` queries of the head's group over the evicted entries, averaged;
+    the bias makes the merged logit match their log-sum-exp for those queries, on average.
 
     A head none of whose window queries sees an evicted entry merges them as `MeanMerge` does.
     """
