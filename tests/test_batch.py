@@ -44,7 +44,13 @@ def _continue(model, cache, tokens: torch.Tensor, mask: torch.Tensor | None, len
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize(
     "spec",
-    [*SCORER_SPECS, *(f"snapkv+{a}" for a in ALLOCATORS), "importance+global", "expected+adaptive", "snapkv:merge=window"],
+    [
+        *SCORER_SPECS,
+        *(f"snapkv+{a}" for a in ALLOCATORS),
+        "importance+global",
+        "expected+adaptive",
+        "snapkv:merge=window",
+    ],
 )
 def test_each_row_equals_compressing_that_sequence_alone(model, prompts, side, spec):
     batch, mask, offsets = _padded(prompts, side)
