@@ -167,7 +167,7 @@ class SievedLayer(CacheLayerMixin):
         return self.segments.heads * self.codec.residual_bytes(self.head_dim, self.dtype)
 
     def allocated_nbytes(self) -> int:
-        merged = 0 if self.merged is None else sum(t.untyped_storage().nbytes() for t in vars(self.merged).values())
+        merged = 0 if self.merged is None else self.merged.allocated_nbytes()
         return merged + (0 if self.segments is None else self.segments.allocated_nbytes())
 
     def entry_bytes(self) -> int:
@@ -209,9 +209,8 @@ class SievedLayer(CacheLayerMixin):
             raise ValueError(f"need merged entries for each of the {self.batch_size} rows, got {len(per_row)}")
         if self.merged is not None:
             raise ValueError("the layer already holds merged entries: a merge summarizes one eviction of a prompt")
-        merged = MergedEntries.stacked(per_row, self.segments.heads, self.head_dim, self.dtype, self.device)
-        self.merged = merged
-        self.contiguous = self.contiguous and merged is None
+        self.merged = MergedEntries.stacked(per_row, self.segments.heads, self.head_dim, self.dtype, self.device)
+        self.contiguous = self.contiguous and self.merged is None
 
     def crop(self, max_length: int) -> None:
         """Forget every entry at cache position `max_length` or later (assisted decoding rolls back this way)."""

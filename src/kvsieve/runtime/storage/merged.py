@@ -52,3 +52,7 @@ class MergedEntries:
 
     def nbytes(self) -> int:
         return sum(self.row_nbytes(row) for row in range(self.bias.shape[0]))
+
+    def allocated_nbytes(self) -> int:
+        """Bytes of the tensors, the slots of (row, kv-head)s that merged nothing included."""
+        return sum(t.untyped_storage().nbytes() for t in (self.keys, self.values, self.bias))
