@@ -28,6 +28,13 @@ def observation(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
     return Observation(0, 1, keys, values, positions, None, LayerFacts(scaling, queries.shape[0]), stats)
 
 
+def merged_columns(cache) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Row 0's merged entry of every layer, as the masked reference takes them (`MaskedReference(merged=)`)."""
+    return {
+        i: (layer.merged.keys[0], layer.merged.values[0], layer.merged.bias[0]) for i, layer in enumerate(cache.layers)
+    }
+
+
 @pytest.mark.parametrize("merge", [MeanMerge(), WindowMerge()])
 def test_merged_entry_of_equal_keys_is_exact(merge):
     """Evicted entries sharing one key get equal weights under every query: one merged entry with the bias log n
@@ -80,7 +87,7 @@ def test_merged_cache_equals_masked_full_cache_with_the_merged_column(model, ids
     prefix, cont = ids[:, :90], ids[:, 90:]
     cache = kvsieve.compress(model, prefix, spec, 0.7, n_recent=8)
     kept = [cache.kept_positions(layer) for layer in range(3)]
-    merged = {i: (m.keys[0], m.values[0], m.bias[0]) for i, m in enumerate(layer.merged for layer in cache.layers)}
+    merged = merged_columns(cache)
     assert all(bool(torch.isfinite(bias).all()) for _, _, bias in merged.values())
     with kvsieve.sieve_attention(model):
         ours = model(cont, past_key_values=cache).logits
@@ -99,9 +106,7 @@ def test_merged_generate_equals_the_reference(model, ids, masked_reference):
     prefix = ids[:, :100]
     cache = kvsieve.compress(model, prefix, "snapkv:merge=window", 0.7, n_recent=8)
     kept = [cache.kept_positions(layer) for layer in range(3)]
-    merged = {
-        i: (layer.merged.keys[0], layer.merged.values[0], layer.merged.bias[0]) for i, layer in enumerate(cache.layers)
-    }
+    merged = merged_columns(cache)
     with kvsieve.sieve_attention(model):
         ours = model.generate(ids, past_key_values=cache, **GEN)
     with masked_reference(model, prefix, kept, merged=merged) as ref:
