@@ -12,7 +12,7 @@ from conftest import tiny_gemma3, tiny_llama
 from kvsieve.runtime.attention.kernels import merged_sdpa, reference_attention
 from kvsieve.runtime.storage.merged import MergedEntries
 from kvsieve.selection.errors import PolicyError
-from kvsieve.selection.merge import MeanMerge, WindowMerge, merge_evicted
+from kvsieve.selection.merge import MeanMerge, OutputMerge, WindowMerge, merge_evicted
 from kvsieve.selection.observation import QUERIES, LayerFacts, Observation, Statistics
 from kvsieve.selection.spec import make_policy
 from kvsieve.vllm.settings import unservable
@@ -35,7 +35,7 @@ def merged_columns(cache) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.T
     }
 
 
-@pytest.mark.parametrize("merge", [MeanMerge(), WindowMerge()])
+@pytest.mark.parametrize("merge", [MeanMerge(), WindowMerge(), OutputMerge()])
 def test_merged_entry_of_equal_keys_is_exact(merge):
     """Evicted entries sharing one key get equal weights under every query: one merged entry with the bias log n
     gives exactly the attention over all of them (float64 reference, every entry visible)."""
@@ -78,8 +78,46 @@ def test_window_merge_follows_the_window_queries():
     assert abs(float(merged.bias[0]) - float(bias)) < 1e-4
 
 
+def window_output_error(obs: Observation, kept: torch.Tensor, merged: tuple[torch.Tensor, ...], bias: float) -> float:
+    """Float64: the window queries' mean squared difference between attending to all of kv-head 0's entries and
+    to the `kept` ones plus the merged entry (key, value) with `bias` (-inf: no merged entry)."""
+    queries = obs.stats.window_queries.reshape(-1, obs.keys.shape[-1]).double()
+    positions = obs.stats.window_positions.repeat(obs.group)
+    keys, values = obs.keys[0].double(), obs.values[0].double()
+    logits = (queries @ keys.T) * obs.scaling
+    logits = logits.masked_fill(torch.arange(keys.shape[0])[None, :] > positions[:, None], float("-inf"))
+    before = torch.softmax(logits, -1) @ values
+    merged_logit = (queries @ merged[0].double()) * obs.scaling + bias
+    weights = torch.softmax(torch.cat([logits[:, kept], merged_logit[:, None]], -1), -1)
+    after = weights @ torch.cat([values[kept], merged[1].double()[None]])
+    return float((after - before).square().sum(-1).mean())
+
+
+def test_output_merge_reproduces_the_window_outputs_best():
+    """`OutputMerge` keeps `WindowMerge`'s key and value; its bias gives the window queries' outputs a smaller error
+    than `WindowMerge`'s, than none, and than its neighbours on the searched grid (float64, computed apart)."""
+    gen = torch.Generator().manual_seed(2)
+    keys, values = torch.randn(1, 48, 8, generator=gen), 3 * torch.randn(1, 48, 8, generator=gen)
+    obs = observation(keys, values, torch.randn(2, 6, 8, generator=gen), scaling=0.5)
+    kept = [torch.cat([torch.arange(4), torch.arange(30, 48)])]
+    window, output = merge_evicted(WindowMerge(), obs, kept), merge_evicted(OutputMerge(), obs, kept)
+    torch.testing.assert_close(output.keys, window.keys)
+    torch.testing.assert_close(output.values, window.values)
+    entry, bias = (output.keys[0], output.values[0]), float(output.bias[0])
+    assert bias < float(window.bias[0]), "values that disagree should lower the bias"
+    error = window_output_error(obs, kept[0], entry, bias)
+    for other in (float(window.bias[0]), float("-inf"), bias - 0.125, bias + 0.125):
+        assert error < window_output_error(obs, kept[0], entry, other)
+
+
 @pytest.mark.parametrize(
-    "spec", ["snapkv:merge=window", "trimkv+global:gates=untrained,merge=mean", "snapkv+global:merge=window"]
+    "spec",
+    [
+        "snapkv:merge=window",
+        "trimkv+global:gates=untrained,merge=mean",
+        "snapkv+global:merge=window",
+        "snapkv+global:merge=output",
+    ],
 )
 @torch.no_grad()
 def test_merged_cache_equals_masked_full_cache_with_the_merged_column(model, ids, masked_reference, spec):
@@ -156,7 +194,7 @@ def test_merge_names_and_refusals(model, ids):
     assert make_policy("trimkv+global:merge=window").name == "trimkv+global:merge=window"
     assert make_policy("snapkv", merge="mean").name == "snapkv:merge=mean"
     assert make_policy("snapkv:merge=window").needs.window == max(make_policy("snapkv").needs.window, 32)
-    with pytest.raises(PolicyError, match="unknown merge 'sum'; known: mean, window"):
+    with pytest.raises(PolicyError, match="unknown merge 'sum'; known: mean, window, output"):
         make_policy("snapkv:merge=sum")
     with pytest.raises(PolicyError, match="summarizes one eviction of a prompt"):
         kvsieve.compress(model, ids, "snapkv:merge=window", max_tokens=40, buffer=8)

@@ -10,6 +10,8 @@ the evicted entries stays in the softmax and their values stay in the output, ap
 - `WindowMerge` (``merge=window``): weighted by the attention the last prompt queries (the observation
   window, as SnapKV's, arXiv 2404.14469) paid the evicted entries, with the bias that makes the merged
   entry's logit match their log-sum-exp for those queries on average.
+- `OutputMerge` (``merge=output``): `WindowMerge`'s key and value with the bias that best reproduces those
+  queries' attention outputs (least squares).
 
 The merged entry takes one of the head's kept slots (`Policy.select`), so a budget holds as many entries
 with a merge as without. It summarizes one eviction of a prompt: a cache that evicts again as it grows
@@ -110,14 +112,19 @@ class WindowMerge:
     def needs(self) -> Needs:
         return Needs(window=self.WINDOW)
 
-    def weights(self, obs: Observation, head: int, evicted: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def window_queries(self, obs: Observation, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last `WINDOW` prompt queries of the head's group `[group * w, d]` (float32) and their positions."""
         window = min(self.WINDOW, obs.stats.window_queries.shape[1])  # a prompt shorter than the window has fewer
         queries, positions = obs.queries(window)
         group = queries.shape[0] // obs.num_kv_heads
         mine = queries[head * group : (head + 1) * group].reshape(-1, queries.shape[-1]).float()
+        return mine, positions.to(obs.keys.device).repeat(group)
+
+    def weights(self, obs: Observation, head: int, evicted: torch.Tensor) -> tuple[torch.Tensor, float]:
+        mine, positions = self.window_queries(obs, head)
         keys = obs.keys[head, evicted].float()
         logits = (mine @ keys.T) * obs.scaling
-        later = obs.positions[head, evicted][None, :] > positions.to(evicted.device).repeat(group)[:, None]
+        later = obs.positions[head, evicted][None, :] > positions[:, None]
         logits = logits.masked_fill(later, float("-inf"))
         seeing = ~later.all(-1)
         if not bool(seeing.any()):
@@ -128,5 +135,38 @@ class WindowMerge:
         return weights, float((torch.logsumexp(logits, -1) - merged_logits).mean())
 
 
+@dataclass(frozen=True)
+class OutputMerge(WindowMerge):
+    """`WindowMerge`'s key and value, with the logit bias that best reproduces the window queries' outputs.
+
+    `WindowMerge`'s bias restores the evicted entries' share of the softmax; where their values disagree, the one
+    averaged value then takes a share it does not deserve. This bias minimizes, over the last `WINDOW` queries of
+    the head's group, the squared difference between each query's attention output over all the head's entries and
+    its output over the kept ones plus the merged one. It is searched among `OFFSETS` from `WindowMerge`'s bias
+    (the lowest leaves the merged entry about 1/3000 of the share it restores).
+    """
+
+    name: ClassVar[str] = "output"
+    OFFSETS: ClassVar[tuple[float, ...]] = tuple(-8.0 + 0.125 * step for step in range(81))
+
+    def weights(self, obs: Observation, head: int, evicted: torch.Tensor) -> tuple[torch.Tensor, float]:
+        weights, restoring = super().weights(obs, head, evicted)
+        queries, positions = self.window_queries(obs, head)
+        keys, values = obs.keys[head].float(), obs.values[head].float()
+        hidden = (obs.positions[head][None, :] > positions[:, None]) | ~obs.valid_mask[head][None, :]
+        logits = ((queries @ keys.T) * obs.scaling).masked_fill(hidden, float("-inf"))
+        before = torch.softmax(logits, -1) @ values
+        gone = torch.zeros_like(hidden[0])
+        gone[evicted] = True
+        kept_logits = logits.masked_fill(gone[None, :], float("-inf"))
+        kept = torch.softmax(kept_logits, -1).nan_to_num() @ values  # a query that sees no kept entry: zeros
+        merged_logit = (queries @ (weights @ keys[evicted])) * obs.scaling
+        bias = restoring + torch.tensor(self.OFFSETS, device=queries.device)
+        share = torch.sigmoid(merged_logit + bias[:, None] - torch.logsumexp(kept_logits, -1))  # [offsets, queries]
+        after = kept + share[..., None] * (weights @ values[evicted] - kept)
+        error = (after - before).square().sum(-1).mean(-1)
+        return weights, float(bias[int(error.argmin())])
+
+
 #: Merges by the name a policy spec gives them (``merge=NAME``).
-MERGES: dict[str, type[Merge]] = {cls.name: cls for cls in (MeanMerge, WindowMerge)}
+MERGES: dict[str, type[Merge]] = {cls.name: cls for cls in (MeanMerge, WindowMerge, OutputMerge)}

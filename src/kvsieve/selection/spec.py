@@ -4,7 +4,7 @@ A spec names a scorer (`kvsieve.selection.scorers`) and optionally an allocator
 (`kvsieve.selection.allocators`, ``uniform`` by default); its parameters belong to the scorer, the
 allocator, the protection (`n_sink`, `n_recent`), the projection (``projection=topk|chunk|sentence``
 and the chosen projection's own parameters, e.g. `chunk_size`), the merge of what is evicted
-(``merge=mean|window``: `kvsieve.selection.merge`) or the storage of the kept entries
+(``merge=mean|window|output``: `kvsieve.selection.merge`) or the storage of the kept entries
 (`kv_bits`, `kv_group`, `kv_residual`, `kv_codec`: `kvsieve.selection.storage`). `Policy.name` writes the spec back.
 """
 
@@ -148,7 +148,7 @@ def make_policy(spec: str | Policy, allocator: str | None = None, **params: obje
             projection's own (`chunk_size` for ``chunk``; `best_tokens` for ``chunk`` and ``sentence``), e.g.
             ``"snapkv+global:projection=chunk,chunk_size=16"``; none named: the one the checkpoint of the
             gates the scorer reads records, else ``topk`` (`Policy.projection`); `merge` (``mean``, ``window``,
-            or a `kvsieve.selection.merge.Merge`): what each head evicts lives on as one merged entry.
+            ``output``, or a `kvsieve.selection.merge.Merge`): what each head evicts lives on as one merged entry.
             The deprecated `budget` (the allocator) and `sliding_window` (`n_recent`) still work, with a warning.
             The storage keys `kv_bits`, `kv_group`, `kv_residual`, `kv_codec` (`kvsieve.selection.storage.Storage`) may
             also be given with a `Policy`; one the spec (or the `Policy`) sets to another value is an error,
