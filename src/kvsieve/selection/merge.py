@@ -112,26 +112,33 @@ class WindowMerge:
     def needs(self) -> Needs:
         return Needs(window=self.WINDOW)
 
-    def window_queries(self, obs: Observation, head: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last `WINDOW` prompt queries of the head's group `[group * w, d]` (float32) and their positions."""
+    def window_logits(
+        self, obs: Observation, head: int, entries: torch.Tensor | slice = slice(None)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last `WINDOW` prompt queries of the head's group `[q, d]` (float32) and their logits `[q, n]` over the
+        head's `entries` (all by default), -inf where an entry comes after the query."""
         window = min(self.WINDOW, obs.stats.window_queries.shape[1])  # a prompt shorter than the window has fewer
         queries, positions = obs.queries(window)
         group = queries.shape[0] // obs.num_kv_heads
         mine = queries[head * group : (head + 1) * group].reshape(-1, queries.shape[-1]).float()
-        return mine, positions.to(obs.keys.device).repeat(group)
+        logits = (mine @ obs.keys[head, entries].float().T) * obs.scaling
+        later = obs.positions[head, entries][None, :] > positions.to(obs.keys.device).repeat(group)[:, None]
+        return mine, logits.masked_fill(later, float("-inf"))
 
     def weights(self, obs: Observation, head: int, evicted: torch.Tensor) -> tuple[torch.Tensor, float]:
-        mine, positions = self.window_queries(obs, head)
-        keys = obs.keys[head, evicted].float()
-        logits = (mine @ keys.T) * obs.scaling
-        later = obs.positions[head, evicted][None, :] > positions[:, None]
-        logits = logits.masked_fill(later, float("-inf"))
-        seeing = ~later.all(-1)
+        queries, logits = self.window_logits(obs, head, evicted)
+        return self.fold(obs, head, evicted, queries, logits)
+
+    def fold(
+        self, obs: Observation, head: int, evicted: torch.Tensor, queries: torch.Tensor, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, float]:
+        """The weights and the bias from the window `queries`' `logits` over the evicted entries (`window_logits`)."""
+        seeing = ~torch.isneginf(logits).all(-1)
         if not bool(seeing.any()):
             return MeanMerge().weights(obs, head, evicted)
         logits = logits[seeing]
         weights = torch.softmax(logits, -1).mean(0)
-        merged_logits = (mine[seeing] @ (weights @ keys)) * obs.scaling
+        merged_logits = (queries[seeing] @ (weights @ obs.keys[head, evicted].float())) * obs.scaling
         return weights, float((torch.logsumexp(logits, -1) - merged_logits).mean())
 
 
@@ -150,17 +157,16 @@ class OutputMerge(WindowMerge):
     OFFSETS: ClassVar[tuple[float, ...]] = tuple(-8.0 + 0.125 * step for step in range(81))
 
     def weights(self, obs: Observation, head: int, evicted: torch.Tensor) -> tuple[torch.Tensor, float]:
-        weights, restoring = super().weights(obs, head, evicted)
-        queries, positions = self.window_queries(obs, head)
-        keys, values = obs.keys[head].float(), obs.values[head].float()
-        hidden = (obs.positions[head][None, :] > positions[:, None]) | ~obs.valid_mask[head][None, :]
-        logits = ((queries @ keys.T) * obs.scaling).masked_fill(hidden, float("-inf"))
+        queries, logits = self.window_logits(obs, head)  # over every entry, once
+        logits = logits.masked_fill(~obs.valid_mask[head][None, :], float("-inf"))
+        weights, restoring = self.fold(obs, head, evicted, queries, logits[:, evicted])
+        keys, values = obs.keys[head, evicted].float(), obs.values[head].float()
         before = torch.softmax(logits, -1) @ values
-        gone = torch.zeros_like(hidden[0])
+        gone = torch.zeros_like(obs.valid_mask[head])
         gone[evicted] = True
         kept_logits = logits.masked_fill(gone[None, :], float("-inf"))
         kept = torch.softmax(kept_logits, -1).nan_to_num() @ values  # a query that sees no kept entry: zeros
-        merged_logit = (queries @ (weights @ keys[evicted])) * obs.scaling
+        merged_logit = (queries @ (weights @ keys)) * obs.scaling
         bias = restoring + torch.tensor(self.OFFSETS, device=queries.device)
         share = torch.sigmoid(merged_logit + bias[:, None] - torch.logsumexp(kept_logits, -1))  # [offsets, queries]
         after = kept + share[..., None] * (weights @ values[evicted] - kept)
