@@ -37,11 +37,12 @@ def save_random_gates(
     seed: int = 0,
     seconds: float = 1.0,
     horizons: Horizons = NEXT_STEP,
+    merge: object | None = None,
 ) -> str:
-    """Random gates for `model` (drawn from `seed`), saved to `folder` with `projection` and `horizons` recorded and
-    `seconds` of training; the folder as a string."""
+    """Random gates for `model` (drawn from `seed`), saved to `folder` with `projection`, `horizons` and `merge`
+    recorded and `seconds` of training; the folder as a string."""
     torch.manual_seed(seed)
-    gates = RetentionGates(gate_shape(model, width=8), horizons=horizons, projection=projection)
+    gates = RetentionGates(gate_shape(model, width=8), horizons=horizons, projection=projection, merge=merge)
     torch.nn.init.normal_(gates.scoring.weight)
     record = TrainRecord("tiny", model_fingerprint(model), 8, "global", 1.0, 3, 48, seed, {}, seconds)
     return str(save_gates(gates, record, folder))

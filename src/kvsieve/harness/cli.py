@@ -23,7 +23,7 @@ from ..runtime.eviction.growth import DEFAULT_BUFFER
 from ..runtime.observing.prefill import observe_prefill
 from ..selection.allocators import ALLOCATORS
 from ..selection.budget import check_count, check_rate
-from ..selection.merge import MERGES
+from ..selection.merge import MERGES, make_merge
 from ..selection.projection import PROJECTIONS
 from ..selection.protection import PROTECTION_DEFAULTS
 from ..selection.scorers import SCORERS
@@ -335,7 +335,7 @@ def policies() -> None:
     protection = ", ".join(f"{key}={value}" for key, value in PROTECTION_DEFAULTS.items())
     console.print(
         f"every policy also takes {protection} (protected entries), projection= (default: the one its gates' "
-        "checkpoint records, else topk) and merge= (default: none)"
+        "checkpoint records, else topk) and merge= (default: the one its gates' checkpoint records, else none)"
     )
     console.print("spec: scorer[+allocator][:key=value,...], e.g. snapkv+adaptive:window=16,safeguard=0.3")
 
@@ -824,13 +824,20 @@ def ensemble_gates_command(
     bounded_horizon: Annotated[
         float | None, typer.Option(help="how far ahead in a cache held at a size (default: --horizon)")
     ] = None,
+    merge: Annotated[
+        str | None,
+        typer.Option(
+            help="the merge a policy reading the ensemble folds evictions with if it names none (config.json)"
+        ),
+    ] = None,
 ) -> None:
     """Combine retention-gate checkpoints into one whose logit is the mean of theirs (an ensemble): one checkpoint."""
     shares = _split(weights, float) if weights else None
     if horizon is None and bounded_horizon is not None:
         raise typer.BadParameter("--bounded-horizon needs --horizon", param_hint="--bounded-horizon")
     horizons = None if horizon is None else _parsed("--horizon", lambda: Horizons(horizon, bounded_horizon))
-    _parsed("ensemble-gates", lambda: ensemble_gates(sources, shares, out, horizons))
+    folds = _parsed("--merge", lambda: make_merge(merge))
+    _parsed("ensemble-gates", lambda: ensemble_gates(sources, shares, out, horizons, folds))
     console.print(f"combined {len(sources)} gate checkpoints ({weights or 'equal weights'}); wrote {out}")
 
 

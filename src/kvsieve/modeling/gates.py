@@ -116,9 +116,10 @@ NEXT_STEP = Horizons()
 class RetentionGates(nn.Module):
     """`log beta` of each entry of each gated layer: per-(layer, head) hidden layers, one shared scoring projection.
 
-    `horizons` are the ones a scorer reads these gates at unless told otherwise, and `projection` (a
+    `horizons` are the ones a scorer reads these gates at unless told otherwise, `projection` (a
     `kvsieve.selection.projection` projection, or None: topk) the one a policy reading them picks with
-    when it names none; both are kept in the checkpoint.
+    when it names none, and `merge` (a `kvsieve.selection.merge` merge, or None) the one it folds what each
+    head evicts with when it names none; all are kept in the checkpoint.
     """
 
     def __init__(
@@ -127,11 +128,13 @@ class RetentionGates(nn.Module):
         bias_init: float = DEFAULT_BIAS_INIT,
         horizons: Horizons = NEXT_STEP,
         projection: object | None = None,
+        merge: object | None = None,
     ) -> None:
         super().__init__()
         self.shape = shape
         self.horizons = horizons
         self.projection = projection
+        self.merge = merge
         features = 2 * shape.head_dim + 2
         self.hidden_weight = nn.ParameterDict(
             {str(layer): nn.Parameter(torch.empty(shape.kv_heads, features, shape.width)) for layer in shape.layers}

@@ -1,7 +1,8 @@
 """Retention-gate checkpoints: `gates.safetensors` plus `config.json`, tied to one model by a hash of its weights.
 
 `config.json` records the gates' shape, the horizons a scorer reads them at by default, the
-projection a policy reading them picks with when it names none (if any; `Policy.select`), the model
+projection a policy reading them picks with and the merge it folds what a head evicts with when it names
+none (if any; `Policy.select`, `Policy.merged`), the model
 (name and weights hash) and how they were trained (`TrainRecord`). Loading checks the shape and the
 model: gates for another model, or for other dimensions, are a clear error. Checkpoints shipped with
 kvsieve live in `kvsieve/selection/checkpoints/<name>/` and load by that name; ``"default"`` picks the
@@ -23,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from ..modeling.fingerprint import model_fingerprint
 from ..modeling.gates import GateShape, Horizons, RetentionGates, gate_shape
 from .allocators import ALLOCATORS
+from .merge import make_merge
 from .projection import from_record, projection_record
 
 WEIGHTS_FILE = "gates.safetensors"
@@ -67,8 +69,7 @@ def save_gates(gates: RetentionGates, record: TrainRecord, out: str | Path) -> P
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous() for k, v in gates.state_dict().items()}, str(out / WEIGHTS_FILE))
-    projection = {} if gates.projection is None else {"projection": projection_record(gates.projection)}
-    config = {"shape": gates.shape.to_dict(), **_horizons_record(gates), **projection, "train": asdict(record)}
+    config = {"shape": gates.shape.to_dict(), **_horizons_record(gates), **_recorded(gates), "train": asdict(record)}
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out
 
@@ -80,6 +81,12 @@ def _as_json(horizon: float) -> float | str:
 def _horizons_record(gates: RetentionGates) -> dict[str, float | str]:
     """The horizons as `config.json` records them."""
     return {"horizon": _as_json(gates.horizons.once), "bounded_horizon": _as_json(gates.horizons.bounded)}
+
+
+def _recorded(gates: RetentionGates) -> dict[str, object]:
+    """The projection and the merge as `config.json` records them (each only if the gates have one)."""
+    projection = {} if gates.projection is None else {"projection": projection_record(gates.projection)}
+    return projection | ({} if gates.merge is None else {"merge": gates.merge.name})
 
 
 def read_gates(folder: str | Path) -> tuple[RetentionGates, TrainRecord]:
@@ -98,7 +105,9 @@ def read_gates(folder: str | Path) -> tuple[RetentionGates, TrainRecord]:
     try:
         horizons = Horizons(config.get("horizon", 0.0), config.get("bounded_horizon"))
         projection = None if "projection" not in config else from_record(config["projection"])
-        gates = RetentionGates(GateShape.from_dict(config["shape"]), horizons=horizons, projection=projection)
+        merge = make_merge(config.get("merge"))
+        shape = GateShape.from_dict(config["shape"])
+        gates = RetentionGates(shape, horizons=horizons, projection=projection, merge=merge)
     except ValueError as err:
         raise GateCheckpointError(f"{folder / CONFIG_FILE}: {err}") from None
     try:
@@ -110,13 +119,13 @@ def read_gates(folder: str | Path) -> tuple[RetentionGates, TrainRecord]:
 
 def gates_fingerprint(gates: RetentionGates) -> str:
     """12 hex digits of a SHA-256 over all that decides what a policy reading `gates` keeps: the weights, the
-    horizons and the recorded projection (not the training record: gates trained again bit for bit match)."""
+    horizons, the recorded projection and merge (not the training record: gates trained again bit for bit match)."""
     digest = hashlib.sha256()
     for name, tensor in sorted(gates.state_dict().items()):
         digest.update(name.encode())
         digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
-    projection = None if gates.projection is None else projection_record(gates.projection)
-    digest.update(json.dumps(_horizons_record(gates) | {"projection": projection}, sort_keys=True).encode())
+    recorded = {"projection": None} | _recorded(gates)  # gates that record no merge hash as before merges existed
+    digest.update(json.dumps(_horizons_record(gates) | recorded, sort_keys=True).encode())
     return digest.hexdigest()[:12]
 
 

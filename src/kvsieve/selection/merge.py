@@ -13,9 +13,12 @@ the evicted entries stays in the softmax and their values stay in the output, ap
 - `OutputMerge` (``merge=output``): `WindowMerge`'s key and value with the bias that best reproduces those
   queries' attention outputs (least squares).
 
-The merged entry takes one of the head's kept slots (`Policy.select`), so a budget holds as many entries
-with a merge as without. It summarizes one eviction of a prompt: a cache that evicts again as it grows
-(a `buffer` or `chunk`, the vLLM plugin) refuses a policy that merges.
+The merged entry, stored in the model's dtype, takes as many of the head's kept slots as its bytes fill
+(`Policy.select`: one in full precision), so a budget holds as many bytes with a merge as without. A policy that
+names no merge uses the one its gates' checkpoint records, if any (`RetentionGates.merge`); ``merge=none``
+(`NO_MERGE`) keeps none. A merge summarizes one eviction of a prompt: a cache that evicts again as it grows (a
+`buffer` or `chunk`, the vLLM plugin) refuses a policy that names one and does without the recorded one
+(`Policy.evicting_again`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
+from .errors import PolicyError
 from .observation import Needs, Observation
 
 #: Why a cache that evicts again as it grows refuses a policy that merges.
@@ -174,5 +178,38 @@ class OutputMerge(WindowMerge):
         return weights, float(bias[int(error.argmin())])
 
 
+@dataclass(frozen=True)
+class NoMerge:
+    """What a head evicts is dropped, whatever merge the checkpoint of the gates the policy reads records."""
+
+    name: ClassVar[str] = "none"
+
+    @property
+    def needs(self) -> Needs:
+        return Needs()
+
+    def weights(self, obs: Observation, head: int, evicted: torch.Tensor) -> tuple[torch.Tensor, float]:
+        raise TypeError("merge=none folds nothing: a policy naming it merges no entry")
+
+
+#: The merge a policy names to keep none (``merge=none``).
+NO_MERGE = NoMerge()
+
 #: Merges by the name a policy spec gives them (``merge=NAME``).
-MERGES: dict[str, type[Merge]] = {cls.name: cls for cls in (MeanMerge, WindowMerge, OutputMerge)}
+MERGES: dict[str, type[Merge]] = {cls.name: cls for cls in (MeanMerge, WindowMerge, OutputMerge, NoMerge)}
+
+
+def folds(merge: Merge | None) -> bool:
+    """Whether `merge` folds what a head evicts (not None, not ``merge=none``)."""
+    return merge is not None and merge != NO_MERGE
+
+
+def make_merge(choice: object) -> Merge | None:
+    """The merge `choice` names (a name in `MERGES`, or a `Merge` as is); None for None or ""."""
+    if choice is None or choice == "":
+        return None
+    if not isinstance(choice, str):
+        return choice
+    if choice not in MERGES:
+        raise PolicyError(f"unknown merge {choice!r}; known: {', '.join(MERGES)}")
+    return MERGES[choice]()

@@ -13,7 +13,7 @@ import torch
 from .allocators import Allocator, Uniform
 from .budget import Budget, Rate, as_budget
 from .errors import PolicyError
-from .merge import Merge, Merged, merge_evicted
+from .merge import MERGE_ONCE, NO_MERGE, Merge, Merged, folds, merge_evicted
 from .observation import Needs, Observation
 from .projection import Projection, TopK, check_spans
 from .protection import DEFAULT_N_RECENT, DEFAULT_N_SINK, PROTECTION_DEFAULTS, protected_mask
@@ -56,7 +56,8 @@ class Policy:
     (`kvsieve.selection.storage`) says how the kept entries are stored (``kv_bits=4``); `select` does not
     read it (its caller passes the bytes an entry is stored in), the runtime stores them so. `merge`
     (`kvsieve.selection.merge`, ``merge=window``) folds what each head evicts into one merged entry (`merged`),
-    which takes one of the head's kept slots.
+    which takes the head's kept slots its bytes fill; None (a spec that names none): the one the checkpoint of the
+    gates the scorer reads records (`RetentionGates.merge`), else none; `NO_MERGE` (``merge=none``): none.
     """
 
     scorer: Scorer
@@ -89,6 +90,18 @@ class Policy:
     def needs(self) -> Needs:
         """What the observed prefill must record for this policy."""
         return self.scorer.needs if self.merge is None else self.scorer.needs | self.merge.needs
+
+    @property
+    def names_merge(self) -> bool:
+        """Whether it names a merge that folds what a head evicts (not ``merge=none``)."""
+        return folds(self.merge)
+
+    def evicting_again(self) -> Policy:
+        """This policy for a cache that evicts again as it grows: a merge it names is an error (`MERGE_ONCE`),
+        and the one its gates' checkpoint may record is not used (``merge=none``)."""
+        if self.names_merge:
+            raise PolicyError(MERGE_ONCE.format(policy=self.name))
+        return dataclasses.replace(self, merge=NO_MERGE) if self.merge is None and self.needs.gates else self
 
     @property
     def needs_spans(self) -> bool:
@@ -138,8 +151,9 @@ class Policy:
         shares = budget.shares(evictable, protected, stored)
         if _keeps_everything(evictable, shares):
             return [[o.valid_mask[h].nonzero().flatten() for h in range(o.num_kv_heads)] for o in observations]
-        if self.merge is not None:
-            shares = [[max(0, share - 1) for share in per_head] for per_head in shares]  # the merged entry's slot
+        if self._merge(observations[0]) is not None:  # the merged entry, in the model's dtype, fills slots
+            slots = -(-observations[0].entry_bytes // stored)
+            shares = [[max(0, share - slots) for share in per_head] for per_head in shares]
         projection = self._projection(observations[0], spans)
         scores = [self._scores(o) for o in observations]
         counts = self.allocator.counts(scores, evictable, shares, calibrated=self.scorer.calibrated)
@@ -152,10 +166,18 @@ class Policy:
         self, observations: Sequence[Observation], kept: Sequence[Sequence[torch.Tensor]]
     ) -> list[Merged] | None:
         """Per observed layer, what each head evicted (every valid entry `kept`, `select`'s answer, does not name)
-        folded into one merged entry; None for a policy that names no merge."""
-        if self.merge is None:
+        folded into one merged entry; None for a policy that merges nothing (`_merge`)."""
+        merge = self._merge(observations[0]) if observations else None
+        if merge is None:
             return None
-        return [merge_evicted(self.merge, o, k) for o, k in zip(observations, kept, strict=True)]
+        return [merge_evicted(merge, o, k) for o, k in zip(observations, kept, strict=True)]
+
+    def _merge(self, obs: Observation) -> Merge | None:
+        """The merge it names (None for ``merge=none``); else the one its gates' checkpoint records; else None."""
+        if self.merge is not None:
+            return self.merge if self.names_merge else None
+        recorded = (obs.facts.gates.get(source) for source in self.needs.gates)
+        return next((gates.merge for gates in recorded if gates is not None and folds(gates.merge)), None)
 
     def _projection(self, obs: Observation, spans: torch.Tensor | None) -> Projection:
         """The projection it names; else the one its gates' checkpoint records (`Needs.gates`); else `TopK`."""

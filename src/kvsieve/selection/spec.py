@@ -4,7 +4,7 @@ A spec names a scorer (`kvsieve.selection.scorers`) and optionally an allocator
 (`kvsieve.selection.allocators`, ``uniform`` by default); its parameters belong to the scorer, the
 allocator, the protection (`n_sink`, `n_recent`), the projection (``projection=topk|chunk|sentence``
 and the chosen projection's own parameters, e.g. `chunk_size`), the merge of what is evicted
-(``merge=mean|window|output``: `kvsieve.selection.merge`) or the storage of the kept entries
+(``merge=mean|window|output|none``: `kvsieve.selection.merge`) or the storage of the kept entries
 (`kv_bits`, `kv_group`, `kv_residual`, `kv_codec`: `kvsieve.selection.storage`). `Policy.name` writes the spec back.
 """
 
@@ -15,7 +15,7 @@ import dataclasses
 from .allocators import ALLOCATORS
 from .deprecation import renamed_keywords
 from .errors import PolicyError
-from .merge import MERGES, Merge
+from .merge import make_merge
 from .policy import Policy
 from .projection import PROJECTIONS, Projection, TopK
 from .protection import PROTECTION_DEFAULTS
@@ -117,17 +117,6 @@ def _parts(scorer_name: str, allocator_name: str) -> dict[str, dict[str, object]
     }
 
 
-def _merge(choice: object) -> Merge | None:
-    """The merge `merge=` names (a name or a `Merge`); None for none."""
-    if choice is None or choice == "":
-        return None
-    if not isinstance(choice, str):
-        return choice
-    if choice not in MERGES:
-        raise PolicyError(f"unknown merge {choice!r}; known: {', '.join(MERGES)}")
-    return MERGES[choice]()
-
-
 def policy_keywords() -> frozenset[str]:
     """Every keyword `make_policy` takes as a parameter of some policy: the fields of every scorer, allocator and
     projection, the protection, `projection`, the storage keys and the deprecated names."""
@@ -148,7 +137,8 @@ def make_policy(spec: str | Policy, allocator: str | None = None, **params: obje
             projection's own (`chunk_size` for ``chunk``; `best_tokens` for ``chunk`` and ``sentence``), e.g.
             ``"snapkv+global:projection=chunk,chunk_size=16"``; none named: the one the checkpoint of the
             gates the scorer reads records, else ``topk`` (`Policy.projection`); `merge` (``mean``, ``window``,
-            ``output``, or a `kvsieve.selection.merge.Merge`): what each head evicts lives on as one merged entry.
+            ``output``, or a `kvsieve.selection.merge.Merge`): what each head evicts lives on as one merged entry;
+            none named: the one the checkpoint of the gates the scorer reads records, if any; ``none``: none.
             The deprecated `budget` (the allocator) and `sliding_window` (`n_recent`) still work, with a warning.
             The storage keys `kv_bits`, `kv_group`, `kv_residual`, `kv_codec` (`kvsieve.selection.storage.Storage`) may
             also be given with a `Policy`; one the spec (or the `Policy`) sets to another value is an error,
@@ -183,7 +173,7 @@ def make_policy(spec: str | Policy, allocator: str | None = None, **params: obje
         raise PolicyError(f"{spec}: {err}") from None
     stored = Storage(**said).merged(storage, spec)
     projection = _projection(kwargs["projection"])
-    merge = _merge(kwargs["merge"].get("merge"))
+    merge = make_merge(kwargs["merge"].get("merge"))
     return Policy(scorer, allocator_obj, projection, **kwargs["protection"], storage=stored, merge=merge)
 
 

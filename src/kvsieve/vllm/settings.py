@@ -53,7 +53,7 @@ def unservable(policy: Policy) -> list[str]:
         why.append(f"the {policy.projection.name} projection's spans, which a vLLM request does not carry")
     if policy.storage != FULL_STORAGE:
         why.append("kvsieve's own storage (kv_bits, kv_codec); vLLM stores entries in --kv-cache-dtype")
-    if policy.merge is not None:
+    if policy.names_merge:
         why.append("merged entries (merge=), a logit bias per entry that vLLM's attention kernels do not add")
     return why
 
@@ -91,7 +91,7 @@ class PluginSettings:
             raise PluginConfigError("kvsieve in vLLM takes a rate or max_tokens")
         if buffer is not None and not budget.is_size:
             raise PluginConfigError("buffer holds a size while generating: give max_tokens with it, not a rate")
-        return cls(policy, budget, buffer, entry.get("trace"))
+        return cls(policy.evicting_again(), budget, buffer, entry.get("trace"))
 
     @property
     def bounded(self) -> bool:

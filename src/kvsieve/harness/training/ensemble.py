@@ -18,15 +18,20 @@ import torch
 
 from ...modeling.gates import GateShape, Horizons, RetentionGates
 from ...selection.checkpoint import GateCheckpointError, save_gates
+from ...selection.merge import Merge
 from .combine import combined_record, read_members
 
 
 def ensemble_gates(
-    sources: Sequence[str | Path], weights: Sequence[float] | None, out: str | Path, horizons: Horizons | None = None
+    sources: Sequence[str | Path],
+    weights: Sequence[float] | None,
+    out: str | Path,
+    horizons: Horizons | None = None,
+    merge: Merge | None = None,
 ) -> Path:
     """Write to `out` the gates whose logit is the `weights`-weighted mean (None: equal weights) of those of the
     checkpoints in `sources` (one model, the same layers and heads), to be read at `horizons` (None: the members',
-    which must then agree)."""
+    which must then agree), recording `merge` for policies that name none (`RetentionGates.merge`)."""
     sources = [Path(source) for source in sources]
     members, weights = read_members(sources, weights, same_width=False)
     first = members[0][0]
@@ -39,7 +44,7 @@ def ensemble_gates(
     shape = GateShape(
         first.shape.layers, first.shape.kv_heads, first.shape.head_dim, sum(g.shape.width for g, _ in members)
     )
-    ensemble = RetentionGates(shape, horizons=horizons or first.horizons)
+    ensemble = RetentionGates(shape, horizons=horizons or first.horizons, merge=merge)
     with torch.no_grad():
         for layer in map(str, shape.layers):
             ensemble.hidden_weight[layer].copy_(torch.cat([g.hidden_weight[layer] for g, _ in members], dim=-1))

@@ -182,6 +182,7 @@ def compress_with(
         if buffer is not None and policy.needs.reconstruction is not None:
             raise PolicyError(NOT_RECONSTRUCTED)
         growth = BoundedGrowth.of(policy, budget, chunk or buffer, model, protect_positions, row_spans)
+        policy = growth.policy  # without the merge its gates' checkpoint may record
     first = input_ids if chunk is None else input_ids[:, :chunk]
     prefill = observe_prefill(model, first, policy.needs, attention_mask=attention_mask, tokenizer=tokenizer)
     if growth is not None:

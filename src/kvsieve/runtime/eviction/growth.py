@@ -31,7 +31,6 @@ import torch
 from ...modeling.rotary import Rotary, find_rotary
 from ...selection.budget import SizeBudget, check_count
 from ...selection.errors import PolicyError
-from ...selection.merge import MERGE_ONCE
 from ...selection.observation import QUERIES, LayerFacts, Observation, QueryMeasure, Statistics, causal_attention
 from ...selection.policy import Policy
 from ...selection.projection import MISSING_SPANS
@@ -169,8 +168,7 @@ class BoundedGrowth:
         spans: Sequence[torch.Tensor] | None = None,
     ) -> BoundedGrowth:
         """A bounded growth that keeps what the policy's scorer reads (`start` it from a prefill, if any)."""
-        if policy.merge is not None:
-            raise PolicyError(MERGE_ONCE.format(policy=policy.name))
+        policy = policy.evicting_again()
         needs = policy.needs
         queries = RecentWindow(needs.window, needs.window_measures) if needs.window else None
         rotary = find_rotary(model) if needs.rotary else None

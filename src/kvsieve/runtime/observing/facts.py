@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import torch
 
 from ...modeling.architecture import attention_module, decoder_layers
@@ -13,6 +16,13 @@ from ...selection.observation import LayerFacts, Needs
 def needed_gates(model: torch.nn.Module, needs: Needs) -> dict[str, RetentionGates]:
     """The retention gates `needs` names, loaded and checked against `model`."""
     return {source: load_gates(source, model) for source in needs.gates}
+
+
+def recorded_needs(facts: list[LayerFacts]) -> Needs:
+    """What the merges recorded in the checkpoints of the loaded gates read (a policy naming no merge folds with
+    its gates' one, `Policy.merged`), so that one prefill records it too."""
+    gates = facts[0].gates.values() if facts else ()
+    return functools.reduce(operator.or_, (g.merge.needs for g in gates if g.merge is not None), Needs())
 
 
 #: What `transformers` calls an attention module's output projection (GPT-NeoX: `dense`).

@@ -24,7 +24,7 @@ from ..compat import cache_argument
 from ..inputs import check_input_ids, real_tokens
 from ..storage.cache import SievedCache, SievedLayer
 from ..storage.layout import RaggedLayout
-from .facts import layer_facts
+from .facts import layer_facts, recorded_needs
 from .reconstruction import reconstruct
 
 if TYPE_CHECKING:
@@ -136,7 +136,8 @@ def observe_prefill(
 
     Args:
         input_ids: `[rows, n]`; padded sequences (left or right) need `attention_mask`.
-        needs: what to record besides the entries (default: the last `DEFAULT_WINDOW` queries).
+        needs: what to record besides the entries (default: the last `DEFAULT_WINDOW` queries), and what the
+            merges the checkpoints of the gates it names record read (`recorded_needs`).
         attention_mask: `[rows, n]`, 1 for real tokens and 0 for padding.
         tokenizer: the model's, when `needs.reconstruction` asks the model to repeat its context
             (`kvsieve.runtime.observing.reconstruction`: a second pass over the context after the prefill).
@@ -151,6 +152,8 @@ def observe_prefill(
             "kvzip asks the model to repeat the prompt after it, which needs its tokenizer: "
             "compress(model, ids, 'kvzip', rate=..., tokenizer=tokenizer), or tokenizer= to generate()"
         )
+    facts = layer_facts(model, needs)
+    needs = needs | recorded_needs(facts)
     recorder = PrefillRecorder(needs, real)
     cache = SievedCache.for_model(model)
     cache.recorder = recorder
@@ -175,7 +178,6 @@ def observe_prefill(
                 replace(s, reconstructed=most[i][row][:, real[row]]) for row, s in enumerate(recorder.layers[i])
             ]
     rotary = find_rotary(model) if needs.rotary and full else None
-    facts = layer_facts(model, needs)
     entries = [row.nonzero().flatten() if recorder.padded else None for row in real]
     observations = [
         [
