@@ -160,7 +160,7 @@ MOST = "most"
 # the codec whose stored entries full-attention layers read (None: the entries as computed), and the positions
 # below which every entry is read back stored (an eviction that quantized a residual)
 _STORED: dict[str, object] = {"codec": None, "below": 0}
-# merged[layer] -> (keys [kv_heads, d], values [kv_heads, d], bias [kv_heads]): one more column per kv-head
+# merged[layer] -> (keys [kv_heads, m, d], values [kv_heads, m, d], bias [kv_heads, m]): m more columns per kv-head
 _MERGED: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
@@ -192,9 +192,9 @@ def _masked_reference_attention(module, query, key, value, attention_mask, dropo
         values = value[0, kv_h].double()
         if module.layer_idx in _MERGED:
             merged_key, merged_value, bias = (t[kv_h].double() for t in _MERGED[module.layer_idx])
-            merged_score = (query[0, h].double() @ merged_key) * scaling + bias
-            scores = torch.cat([scores, merged_score[:, None]], -1)
-            values = torch.cat([values, merged_value[None]])
+            merged_score = (query[0, h].double() @ merged_key.T) * scaling + bias
+            scores = torch.cat([scores, merged_score], -1)
+            values = torch.cat([values, merged_value])
         probs = torch.softmax(scores, -1)
         if TALLY in _RECEIVED:
             _RECEIVED.setdefault(module.layer_idx, torch.zeros(n_heads, 4096, dtype=torch.float64))[h, :kv_len] += (
@@ -223,8 +223,8 @@ class MaskedReference:
     (encoded and decoded again, in the model's dtype): every entry older than the newest
     `codec.residual` before the forward, and every one below position `stored_below` (a residual an
     eviction quantized); the forward's own tokens as computed. The prefix is prefilled from the
-    entries as computed, as `kvsieve.compress` prefills. `merged`: per layer, each kv-head's merged entry (key,
-    value, logit bias; `kvsieve.selection.merge`), one more column every query sees.
+    entries as computed, as `kvsieve.compress` prefills. `merged`: per layer, each kv-head's merged entries (keys,
+    values, logit biases; `kvsieve.selection.merge`), more columns every query sees.
     """
 
     def __init__(

@@ -13,7 +13,7 @@ from conftest import tiny_llama
 from kvsieve.harness.training.ensemble import ensemble_gates
 from kvsieve.modeling.gates import Horizons, RetentionGates, gate_shape
 from kvsieve.selection.checkpoint import GateCheckpointError, TrainRecord, model_fingerprint, read_gates, save_gates
-from kvsieve.selection.merge import OutputMerge
+from kvsieve.selection.merge import WindowMerge
 
 #: The horizons a member records unless a test says otherwise.
 MEMBER_HORIZONS = Horizons(16.0)
@@ -110,17 +110,18 @@ def test_ensemble_gates_command(tmp_path):
         _member(tmp_path / name, model, seed)
     args = ["ensemble-gates", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "ensemble")]
     runner = CliRunner(env={"COLUMNS": "200"})
-    result = runner.invoke(app, [*args, "--horizon", "inf", "--bounded-horizon", "128", "--merge", "output"])
+    result = runner.invoke(app, [*args, "--horizon", "inf", "--bounded-horizon", "128", "--merge", "window,parts=4"])
     assert result.exit_code == 0, result.output
     ensemble, record = read_gates(tmp_path / "ensemble")
     assert ensemble.shape.width == 16 and ensemble.horizons == Horizons(math.inf, 128.0)
-    assert ensemble.merge == OutputMerge()
+    assert ensemble.merge == WindowMerge(parts=4)
     assert [part["weight"] for part in record.data["ensemble"]] == [0.5, 0.5]
     for bad, message in (
         (["--weights", "0.9,0.3"], "sum to 1"),
         (["--horizon", "-1"], "horizon must be a number of tokens"),
         (["--bounded-horizon", "8"], "--bounded-horizon needs --horizon"),
         (["--merge", "sum"], "unknown merge 'sum'"),
+        (["--merge", "window,size=2"], "unknown merge parameter 'size'"),
     ):
         refused = runner.invoke(app, [*args, *bad])
         assert refused.exit_code == 2 and message in refused.output, refused.output

@@ -9,7 +9,9 @@ import torch
 
 import kvsieve
 from conftest import tiny_gemma3, tiny_llama
+from kvsieve.runtime.api.evictions import Eviction, evictions
 from kvsieve.runtime.attention.kernels import merged_sdpa, reference_attention
+from kvsieve.runtime.observing.prefill import observe_prefill
 from kvsieve.runtime.storage.merged import MergedEntries
 from kvsieve.selection.errors import PolicyError
 from kvsieve.selection.merge import MeanMerge, OutputMerge, WindowMerge, merge_evicted
@@ -46,12 +48,33 @@ def test_merged_entry_of_equal_keys_is_exact(merge):
     obs = observation(keys, values, torch.randn(4, 8, 16, generator=gen))
     kept = [torch.cat([torch.arange(5), torch.arange(25, 40)])] * 2
     merged = merge_evicted(merge, obs, kept)
-    torch.testing.assert_close(merged.bias, torch.full((2,), math.log(20)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(merged.bias, torch.full((2, 1), math.log(20)), atol=1e-5, rtol=0)
     query = torch.randn(1, 4, 3, 16, generator=gen)
     entries = MergedEntries(merged.keys[None], merged.values[None], merged.bias[None])
     ours = merged_sdpa(query, keys[None, :, kept[0]], values[None, :, kept[0]], None, entries, 0.25)
     full = reference_attention(query, keys[None], values[None], None, 0.25)
     torch.testing.assert_close(ours, full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("merge", [MeanMerge(parts=2), WindowMerge(parts=2)])
+def test_two_parts_merge_two_groups_of_equal_keys_exactly(merge):
+    """Evicted entries sharing one of two keys fall into two groups (`key_groups`), each merged exactly: the two
+    merged entries give exactly the attention over all of them; a head evicting one entry holds one."""
+    gen = torch.Generator().manual_seed(4)
+    keys, values = torch.randn(1, 40, 16, generator=gen), torch.randn(1, 40, 16, generator=gen)
+    evicted = torch.arange(5, 25)
+    keys[:, evicted[::2]], keys[:, evicted[1::2]] = keys[:, 1:2].clone(), keys[:, 2:3].clone()
+    obs = observation(keys, values, torch.randn(2, 8, 16, generator=gen))
+    kept = [torch.cat([torch.arange(5), torch.arange(25, 40)])]
+    merged = merge_evicted(merge, obs, kept)
+    torch.testing.assert_close(merged.bias, torch.full((1, 2), math.log(10)), atol=1e-5, rtol=0)
+    query = torch.randn(1, 2, 3, 16, generator=gen)
+    entries = MergedEntries(merged.keys[None], merged.values[None], merged.bias[None])
+    ours = merged_sdpa(query, keys[None, :, kept[0]], values[None, :, kept[0]], None, entries, 0.25)
+    full = reference_attention(query, keys[None], values[None], None, 0.25)
+    torch.testing.assert_close(ours, full, atol=1e-5, rtol=0)
+    one = merge_evicted(merge, obs, [torch.cat([torch.arange(5), torch.arange(6, 40)])])
+    assert torch.isfinite(one.bias).tolist() == [[True, False]]
 
 
 def test_window_merge_follows_the_window_queries():
@@ -73,9 +96,9 @@ def test_window_merge_follows_the_window_queries():
     assert (weights - unmasked).abs().max() > 1e-2
     key = weights @ k
     bias = (torch.logsumexp(logits, -1) - (q @ key) * 0.5).mean()
-    torch.testing.assert_close(merged.keys[0].double(), key, atol=1e-5, rtol=0)
-    torch.testing.assert_close(merged.values[0].double(), weights @ values[0, evicted].double(), atol=1e-5, rtol=0)
-    assert abs(float(merged.bias[0]) - float(bias)) < 1e-4
+    torch.testing.assert_close(merged.keys[0, 0].double(), key, atol=1e-5, rtol=0)
+    torch.testing.assert_close(merged.values[0, 0].double(), weights @ values[0, evicted].double(), atol=1e-5, rtol=0)
+    assert abs(float(merged.bias[0, 0]) - float(bias)) < 1e-4
 
 
 def window_output_error(obs: Observation, kept: torch.Tensor, merged: tuple[torch.Tensor, ...], bias: float) -> float:
@@ -103,10 +126,10 @@ def test_output_merge_reproduces_the_window_outputs_best():
     window, output = merge_evicted(WindowMerge(), obs, kept), merge_evicted(OutputMerge(), obs, kept)
     torch.testing.assert_close(output.keys, window.keys)
     torch.testing.assert_close(output.values, window.values)
-    entry, bias = (output.keys[0], output.values[0]), float(output.bias[0])
-    assert bias < float(window.bias[0]), "values that disagree should lower the bias"
+    entry, bias = (output.keys[0, 0], output.values[0, 0]), float(output.bias[0, 0])
+    assert bias < float(window.bias[0, 0]), "values that disagree should lower the bias"
     error = window_output_error(obs, kept[0], entry, bias)
-    for other in (float(window.bias[0]), float("-inf"), bias - 0.125, bias + 0.125):
+    for other in (float(window.bias[0, 0]), float("-inf"), bias - 0.125, bias + 0.125):
         assert error < window_output_error(obs, kept[0], entry, other)
 
 
@@ -117,6 +140,7 @@ def test_output_merge_reproduces_the_window_outputs_best():
         "trimkv+global:gates=untrained,merge=mean",
         "snapkv+global:merge=window",
         "snapkv+global:merge=output",
+        "snapkv+global:merge=window,parts=3",
     ],
 )
 @torch.no_grad()
@@ -178,6 +202,20 @@ def test_rows_keep_their_own_merged_entries(model, ids):
 
 
 @torch.no_grad()
+def test_rows_of_other_merges_share_one_cache(model, ids):
+    """Prefill once, sieve many: rows merging into 3 parts, 1 part and nothing read what each compressed alone does."""
+    specs = ["snapkv:merge=window,parts=3", "snapkv:merge=mean", None]
+    prefill = observe_prefill(model, ids[:, :90], make_policy("snapkv:merge=window").needs)
+    rows = evictions(prefill, [Eviction(spec, 0.7) for spec in specs])
+    cont = ids[:, 90:95]
+    with kvsieve.sieve_attention(model):
+        together = model(cont.expand(3, -1), past_key_values=rows).logits
+        for row, spec in enumerate(specs):
+            alone = kvsieve.compress(model, ids[:, :90], spec or "snapkv", 0.7 if spec else 0.0)
+            torch.testing.assert_close(together[row], model(cont, past_key_values=alone).logits[0], atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
 def test_gemma_merges_its_full_attention_layers_only():
     model = tiny_gemma3()
     ids = torch.randint(0, 64, (1, 60), generator=torch.Generator().manual_seed(3))
@@ -196,7 +234,11 @@ def test_merge_names_and_refusals(model, ids):
     assert make_policy("snapkv:merge=window").needs.window == max(make_policy("snapkv").needs.window, 32)
     with pytest.raises(PolicyError, match=r"unknown merge .sum.; known: mean, window, output, none"):
         make_policy("snapkv:merge=sum")
-    with pytest.raises(PolicyError, match="summarizes one eviction of a prompt"):
+    assert make_policy("snapkv:merge=window,parts=4").name == "snapkv:merge=window,parts=4"
+    for bad, message in (("merge=window,parts=0", "whole number >= 1"), ("parts=2", "the policy names none")):
+        with pytest.raises(PolicyError, match=message):
+            make_policy(f"snapkv:{bad}")
+    with pytest.raises(PolicyError, match="summarize one eviction of a prompt"):
         kvsieve.compress(model, ids, "snapkv:merge=window", max_tokens=40, buffer=8)
     assert any("merged entries" in why for why in unservable(make_policy("snapkv:merge=window")))
 

@@ -46,6 +46,8 @@ def test_the_checkpoint_keeps_the_merge(model, recording, tmp_path):
     plain = save_random_gates(model, tmp_path / "plain")
     assert read_gates(plain)[0].merge is None and "merge" not in json.loads(Path(plain, "config.json").read_text())
     assert gates_fingerprint(read_gates(recording)[0]) != gates_fingerprint(read_gates(plain)[0])
+    parts = save_random_gates(model, tmp_path / "parts", merge=WindowMerge(parts=3))
+    assert read_gates(parts)[0].merge == WindowMerge(parts=3)
     config = Path(recording, "config.json")
     config.write_text(config.read_text().replace('"merge": "output"', '"merge": "sum"'))
     with pytest.raises(GateCheckpointError, match=r"config.json: unknown merge 'sum'; known: mean, window, output"):

@@ -40,7 +40,9 @@ def test_cli_lists_policies():
     for name in [*SCORERS, *ALLOCATORS]:
         assert name in result.output
     assert "chunk(chunk_size=8, best_tokens=0.0)" in result.output and "sentence(best_tokens=0.0)" in result.output
-    assert "merge=NAME" in result.output and all(f"{name}()" in result.output for name in ("mean", "window", "output"))
+    assert "merge=NAME" in result.output and all(
+        f"{name}(parts=1)" in result.output for name in ("mean", "window", "output")
+    )
 
 
 def test_by_policy_table_lists_every_policy_with_its_mean_advantage():

@@ -23,11 +23,11 @@ from ..runtime.eviction.growth import DEFAULT_BUFFER
 from ..runtime.observing.prefill import observe_prefill
 from ..selection.allocators import ALLOCATORS
 from ..selection.budget import check_count, check_rate
-from ..selection.merge import MERGES, make_merge
+from ..selection.merge import MERGES
 from ..selection.projection import PROJECTIONS
 from ..selection.protection import PROTECTION_DEFAULTS
 from ..selection.scorers import SCORERS
-from ..selection.spec import make_policy, make_projection, split_policies
+from ..selection.spec import make_policy, make_projection, parse_merge, split_policies
 from . import install_hint
 from .data import essay_split, essay_texts, sample_documents
 from .data.sample import TaskSample
@@ -827,7 +827,8 @@ def ensemble_gates_command(
     merge: Annotated[
         str | None,
         typer.Option(
-            help="the merge a policy reading the ensemble folds evictions with if it names none (config.json)"
+            help="the merge a policy reading the ensemble folds evictions with if it names none (config.json), "
+            "e.g. window,parts=4"
         ),
     ] = None,
 ) -> None:
@@ -836,7 +837,7 @@ def ensemble_gates_command(
     if horizon is None and bounded_horizon is not None:
         raise typer.BadParameter("--bounded-horizon needs --horizon", param_hint="--bounded-horizon")
     horizons = None if horizon is None else _parsed("--horizon", lambda: Horizons(horizon, bounded_horizon))
-    folds = _parsed("--merge", lambda: make_merge(merge))
+    folds = _parsed("--merge", lambda: parse_merge(merge) if merge else None)
     _parsed("ensemble-gates", lambda: ensemble_gates(sources, shares, out, horizons, folds))
     console.print(f"combined {len(sources)} gate checkpoints ({weights or 'equal weights'}); wrote {out}")
 

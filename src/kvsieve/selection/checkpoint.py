@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from ..modeling.fingerprint import model_fingerprint
 from ..modeling.gates import GateShape, Horizons, RetentionGates, gate_shape
 from .allocators import ALLOCATORS
-from .merge import make_merge
+from .merge import make_merge, merge_record
 from .projection import from_record, projection_record
 
 WEIGHTS_FILE = "gates.safetensors"
@@ -86,7 +86,7 @@ def _horizons_record(gates: RetentionGates) -> dict[str, float | str]:
 def _recorded(gates: RetentionGates) -> dict[str, object]:
     """The projection and the merge as `config.json` records them (each only if the gates have one)."""
     projection = {} if gates.projection is None else {"projection": projection_record(gates.projection)}
-    return projection | ({} if gates.merge is None else {"merge": gates.merge.name})
+    return projection | ({} if gates.merge is None else {"merge": merge_record(gates.merge)})
 
 
 def read_gates(folder: str | Path) -> tuple[RetentionGates, TrainRecord]:

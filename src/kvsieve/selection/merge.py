@@ -1,4 +1,4 @@
-"""Merges: what a head evicts lives on as one entry (a key, a value and a logit bias), not as nothing.
+"""Merges: what a head evicts lives on as merged entries (a key, a value and a logit bias each), not as nothing.
 
 Evicting an entry removes its share of the softmax: the kept entries' weights grow and the output
 moves, even where the evicted entries were individually unimportant. A merge folds every entry a
@@ -13,8 +13,11 @@ the evicted entries stays in the softmax and their values stay in the output, ap
 - `OutputMerge` (``merge=output``): `WindowMerge`'s key and value with the bias that best reproduces those
   queries' attention outputs (least squares).
 
-The merged entry, stored in the model's dtype, takes as many of the head's kept slots as its bytes fill
-(`Policy.select`: one in full precision), so a budget holds as many bytes with a merge as without. A policy that
+With ``parts=m`` each head's evicted entries fall into `m` groups of similar keys (k-means, `key_groups`) and each
+group becomes a merged entry of its own: one averaged value stands for fewer, more alike entries, and every query
+weighs the groups apart (entries sharing a key merge exactly, `m` keys or not). The merged entries, stored in the
+model's dtype, take as many of the head's kept slots as their bytes fill (`Policy.select`: `m` in full precision),
+so a budget holds as many bytes with a merge as without. A policy that
 names no merge uses the one its gates' checkpoint records, if any (`RetentionGates.merge`); ``merge=none``
 (`NO_MERGE`) keeps none. A merge summarizes one eviction of a prompt: a cache that evicts again as it grows (a
 `buffer` or `chunk`, the vLLM plugin) refuses a policy that names one and does without the recorded one
@@ -23,8 +26,9 @@ names no merge uses the one its gates' checkpoint records, if any (`RetentionGat
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -35,7 +39,7 @@ from .observation import Needs, Observation
 
 #: Why a cache that evicts again as it grows refuses a policy that merges.
 MERGE_ONCE = (
-    "{policy} folds what each head evicts into one merged entry, which summarizes one eviction of a prompt; a cache "
+    "{policy} folds what each head evicts into merged entries, which summarize one eviction of a prompt; a cache "
     "that evicts again as it grows (buffer=, chunk=, the vLLM plugin) cannot keep it true: drop merge= from the "
     "policy there"
 )
@@ -43,8 +47,8 @@ MERGE_ONCE = (
 
 @dataclass(frozen=True)
 class Merged:
-    """One layer's merged entries for one sequence: per kv-head a key `[kv_heads, d]`, a value `[kv_heads, d]` and a
-    logit bias `[kv_heads]` (float32; -inf for a head that evicted nothing)."""
+    """One layer's merged entries for one sequence: per kv-head `m` keys `[kv_heads, m, d]`, values `[kv_heads, m, d]`
+    and logit biases `[kv_heads, m]` (float32; -inf for a part that holds nothing)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -52,9 +56,11 @@ class Merged:
 
 
 class Merge(Protocol):
-    """Folds a head's evicted entries into one merged entry."""
+    """Folds a head's evicted entries into `parts` merged entries (one per group of similar keys, `key_groups`)."""
 
     name: ClassVar[str]
+    #: merged entries per head
+    parts: int
 
     @property
     def needs(self) -> Needs:
@@ -67,21 +73,46 @@ class Merge(Protocol):
 
 
 def merge_evicted(merge: Merge, obs: Observation, kept: Sequence[torch.Tensor]) -> Merged:
-    """The merged entries of one layer: every valid entry of a head that `kept[head]` does not name, folded."""
-    heads, dim = obs.num_kv_heads, obs.keys.shape[-1]
-    keys = torch.zeros(heads, dim, dtype=torch.float32, device=obs.keys.device)
-    values = torch.zeros(heads, obs.values.shape[-1], dtype=torch.float32, device=obs.keys.device)
-    bias = torch.full((heads,), float("-inf"), device=obs.keys.device)
+    """The merged entries of one layer: every valid entry of a head that `kept[head]` does not name, folded, in
+    `merge.parts` groups of similar keys."""
+    heads, parts, device = obs.num_kv_heads, merge.parts, obs.keys.device
+    keys = torch.zeros(heads, parts, obs.keys.shape[-1], dtype=torch.float32, device=device)
+    values = torch.zeros(heads, parts, obs.values.shape[-1], dtype=torch.float32, device=device)
+    bias = torch.full((heads, parts), float("-inf"), device=device)
     for head in range(heads):
         evicted = obs.valid_mask[head].clone()
         evicted[kept[head].to(evicted.device)] = False
         index = evicted.nonzero().flatten()
-        if not index.numel():
-            continue
-        weights, bias[head] = merge.weights(obs, head, index)
-        keys[head] = weights @ obs.keys[head, index].float()
-        values[head] = weights @ obs.values[head, index].float()
+        for part, group in enumerate(key_groups(obs.keys[head, index].float(), parts)):
+            weights, bias[head, part] = merge.weights(obs, head, index[group])
+            keys[head, part] = weights @ obs.keys[head, index[group]].float()
+            values[head, part] = weights @ obs.values[head, index[group]].float()
     return Merged(keys, values, bias)
+
+
+def check_parts(parts: object) -> None:
+    """A clear error unless `parts` (merged entries per head) is a whole number >= 1."""
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise PolicyError(f"parts (merged entries per head) must be a whole number >= 1, got {parts!r}")
+
+
+def key_groups(keys: torch.Tensor, parts: int, rounds: int = 10) -> list[torch.Tensor]:
+    """Indices of `keys [n, d]` in at most `parts` non-empty groups of similar keys (k-means, `rounds` Lloyd steps from
+    keys spread over the order they come in; deterministic); one group for `parts` 1, none for no keys."""
+    n = keys.shape[0]
+    if n == 0:
+        return []
+    if parts == 1 or n <= parts:
+        order = torch.arange(n, device=keys.device)
+        return [order] if parts == 1 else list(order[:, None])
+    centres = keys[torch.linspace(0, n - 1, parts, device=keys.device).round().long()]
+    for _ in range(rounds):
+        nearest = torch.cdist(keys, centres).argmin(-1)
+        counts = torch.bincount(nearest, minlength=parts)
+        sums = torch.zeros_like(centres).index_add_(0, nearest, keys)
+        centres = torch.where(counts[:, None] > 0, sums / counts.clamp(min=1)[:, None], centres)
+    nearest = torch.cdist(keys, centres).argmin(-1)
+    return [group for group in (torch.nonzero(nearest == part).flatten() for part in range(parts)) if group.numel()]
 
 
 @dataclass(frozen=True)
@@ -89,6 +120,10 @@ class MeanMerge:
     """The evicted entries' mean key and mean value, their logit raised by `log n` (ToMe's proportional attention)."""
 
     name: ClassVar[str] = "mean"
+    parts: int = 1
+
+    def __post_init__(self) -> None:
+        check_parts(self.parts)
 
     @property
     def needs(self) -> Needs:
@@ -111,6 +146,10 @@ class WindowMerge:
 
     name: ClassVar[str] = "window"
     WINDOW: ClassVar[int] = 32
+    parts: int = 1
+
+    def __post_init__(self) -> None:
+        check_parts(self.parts)
 
     @property
     def needs(self) -> Needs:
@@ -183,6 +222,7 @@ class NoMerge:
     """What a head evicts is dropped, whatever merge the checkpoint of the gates the policy reads records."""
 
     name: ClassVar[str] = "none"
+    parts: ClassVar[int] = 0
 
     @property
     def needs(self) -> Needs:
@@ -204,12 +244,26 @@ def folds(merge: Merge | None) -> bool:
     return merge is not None and merge != NO_MERGE
 
 
-def make_merge(choice: object) -> Merge | None:
-    """The merge `choice` names (a name in `MERGES`, or a `Merge` as is); None for None or ""."""
+def make_merge(choice: object, **params: object) -> Merge | None:
+    """The merge `choice` names with `params` (a name in `MERGES`; a record, `merge_record`; or a `Merge` as is);
+    None for None or ""."""
+    if isinstance(choice, Mapping):
+        params, choice = {k: v for k, v in choice.items() if k != "name"} | params, choice.get("name")
     if choice is None or choice == "":
+        if params:
+            raise PolicyError(f"{', '.join(params)} is a parameter of a merge; the policy names none")
         return None
     if not isinstance(choice, str):
         return choice
     if choice not in MERGES:
         raise PolicyError(f"unknown merge {choice!r}; known: {', '.join(MERGES)}")
-    return MERGES[choice]()
+    try:
+        return MERGES[choice](**params)
+    except TypeError as err:
+        raise PolicyError(f"merge={choice}: {err}") from None
+
+
+def merge_record(merge: Merge) -> str | dict[str, object]:
+    """A merge as a gate checkpoint records it: its name, with the parameters it does not leave at their defaults."""
+    changed = {f.name: getattr(merge, f.name) for f in dataclasses.fields(merge) if getattr(merge, f.name) != f.default}
+    return {"name": merge.name, **changed} if changed else merge.name

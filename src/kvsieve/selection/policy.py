@@ -82,7 +82,7 @@ class Policy:
         if self.projection is not None:
             params += projection_parameters(self.projection)
         if self.merge is not None:
-            params.append(f"merge={self.merge.name}")
+            params += [f"merge={self.merge.name}", *non_defaults(self.merge)]
         params += [f"{key}={value}" for key, value in self.storage.parameters().items()]
         return f"{head}:{','.join(params)}" if params else head
 
@@ -151,8 +151,9 @@ class Policy:
         shares = budget.shares(evictable, protected, stored)
         if _keeps_everything(evictable, shares):
             return [[o.valid_mask[h].nonzero().flatten() for h in range(o.num_kv_heads)] for o in observations]
-        if self._merge(observations[0]) is not None:  # the merged entry, in the model's dtype, fills slots
-            slots = -(-observations[0].entry_bytes // stored)
+        merge = self._merge(observations[0])
+        if merge is not None:  # merged entries, in the model's dtype, fill slots
+            slots = merge.parts * -(-observations[0].entry_bytes // stored)
             shares = [[max(0, share - slots) for share in per_head] for per_head in shares]
         projection = self._projection(observations[0], spans)
         scores = [self._scores(o) for o in observations]

@@ -15,7 +15,7 @@ import dataclasses
 from .allocators import ALLOCATORS
 from .deprecation import renamed_keywords
 from .errors import PolicyError
-from .merge import make_merge
+from .merge import Merge, make_merge
 from .policy import Policy
 from .projection import PROJECTIONS, Projection, TopK
 from .protection import PROTECTION_DEFAULTS
@@ -90,6 +90,19 @@ def make_projection(text: str) -> Projection:
     return _projection(converted)
 
 
+def parse_merge(text: str) -> Merge | None:
+    """A merge from ``"name[,key=value,...]"``, e.g. ``"window,parts=4"`` (what follows ``merge=`` in a policy spec),
+    or a `PolicyError` that names the problem."""
+    given: dict[str, object] = dict(_text_parameters(f"merge={text}"))
+    name, defaults = given.pop("merge"), _parts("streaming", "uniform")["merge"]
+    for key in given:
+        if key not in defaults:
+            raise PolicyError(
+                f"unknown merge parameter {key!r}; valid: {', '.join(k for k in defaults if k != 'merge')}"
+            )
+    return make_merge(name, **{key: _convert(value, defaults[key], key) for key, value in given.items()})
+
+
 def _names(spec: str, allocator: str | None) -> tuple[str, str, str]:
     """`(scorer, allocator, parameter text)` of a spec, checked against the registries."""
     if not isinstance(spec, str) or not spec.strip():
@@ -113,7 +126,7 @@ def _parts(scorer_name: str, allocator_name: str) -> dict[str, dict[str, object]
         "allocator": _defaults(ALLOCATORS[allocator_name]),
         "protection": dict(PROTECTION_DEFAULTS),
         "projection": {"projection": TopK.name} | {k: v for c in PROJECTIONS.values() for k, v in _defaults(c).items()},
-        "merge": {"merge": ""},
+        "merge": {"merge": "", "parts": 1},
     }
 
 
@@ -122,7 +135,9 @@ def policy_keywords() -> frozenset[str]:
     projection, the protection, `projection`, the storage keys and the deprecated names."""
     classes = [*SCORERS.values(), *ALLOCATORS.values(), *PROJECTIONS.values()]
     fields = {key for cls in classes for key in _defaults(cls)}
-    return frozenset({*fields, *PROTECTION_DEFAULTS, "projection", "merge", *STORAGE_KEYS, *DEPRECATED_PARAMETERS})
+    return frozenset(
+        {*fields, *PROTECTION_DEFAULTS, "projection", "merge", "parts", *STORAGE_KEYS, *DEPRECATED_PARAMETERS}
+    )
 
 
 def make_policy(spec: str | Policy, allocator: str | None = None, **params: object) -> Policy:
@@ -173,7 +188,7 @@ def make_policy(spec: str | Policy, allocator: str | None = None, **params: obje
         raise PolicyError(f"{spec}: {err}") from None
     stored = Storage(**said).merged(storage, spec)
     projection = _projection(kwargs["projection"])
-    merge = make_merge(kwargs["merge"].get("merge"))
+    merge = make_merge(kwargs["merge"].pop("merge", None), **kwargs["merge"])
     return Policy(scorer, allocator_obj, projection, **kwargs["protection"], storage=stored, merge=merge)
 
 

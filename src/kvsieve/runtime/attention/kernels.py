@@ -8,8 +8,8 @@ of a kv-head are folded into the query axis, so keys and values are read once an
 made per head or per row.
 
 - `masked_sdpa`: one `scaled_dot_product_attention` with the visibility as its mask (every device).
-- `merged_sdpa`: `masked_sdpa` with each (row, kv-head)'s merged entry (`kvsieve.selection.merge`) as one more
-  column, its logit raised by the entry's bias.
+- `merged_sdpa`: `masked_sdpa` with each (row, kv-head)'s merged entries (`kvsieve.selection.merge`) as more
+  columns, their logits raised by their biases.
 - `varlen_attention`: CUDA, half precision, no attention mask: torch's fused varlen flash kernel
   (`torch.nn.attention.varlen`), every (row, kv-head) one sequence of its own length, read in
   place from the padded tensors (no mask is built).
@@ -79,18 +79,18 @@ def merged_sdpa(
     merged: MergedEntries,
     scaling: float,
 ) -> torch.Tensor:
-    """`masked_sdpa` with each (row, kv-head)'s merged entry as one more column, its logit raised by its bias."""
+    """`masked_sdpa` with each (row, kv-head)'s merged entries as more columns, their logits raised by their biases."""
     rows, heads, length, _ = keys.shape
-    q = query.shape[2]
-    keys = torch.cat([keys, merged.keys[:, :, None].to(keys.dtype)], 2)
-    values = torch.cat([values, merged.values[:, :, None].to(values.dtype)], 2)
+    q, parts = query.shape[2], merged.bias.shape[-1]
+    keys = torch.cat([keys, merged.keys.to(keys.dtype)], 2)
+    values = torch.cat([values, merged.values.to(values.dtype)], 2)
     if visible is None:
         additive = query.new_zeros(rows, heads, q, length)
     elif visible.dtype == torch.bool:
         additive = query.new_zeros(visible.shape).masked_fill_(~visible, float("-inf"))
     else:
         additive = visible.to(query.dtype).expand(rows, heads, q, length)
-    bias = merged.bias.to(query.dtype)[:, :, None, None].expand(rows, heads, q, 1)
+    bias = merged.bias.to(query.dtype)[:, :, None].expand(rows, heads, q, parts)
     return masked_sdpa(query, keys, values, torch.cat([additive, bias], -1), scaling)
 
 

@@ -1,4 +1,4 @@
-"""One layer's merged entries (`kvsieve.selection.merge`): per (row, kv-head) a key, a value and a logit bias.
+"""One layer's merged entries (`kvsieve.selection.merge`): per (row, kv-head) `m` keys, values and logit biases.
 
 They are kept beside the layer's segments, in the model's dtype whatever the codec stores the entries in,
 and never scored or evicted again; sieve attention reads them as one more column (`kernels.merged_sdpa`).
@@ -16,8 +16,8 @@ from ...selection.merge import Merged
 
 @dataclass(frozen=True)
 class MergedEntries:
-    """`keys [rows, kv_heads, d]`, `values [rows, kv_heads, d]` and `bias [rows, kv_heads]` (float32, -inf where a
-    (row, kv-head) holds no merged entry)."""
+    """`keys [rows, kv_heads, m, d]`, `values [rows, kv_heads, m, d]` and `bias [rows, kv_heads, m]` (float32, -inf
+    where a (row, kv-head) holds fewer than `m` merged entries)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -27,11 +27,12 @@ class MergedEntries:
     def stacked(
         cls, per_row: Sequence[Merged | None], heads: int, dim: int, dtype: torch.dtype, device: torch.device
     ) -> MergedEntries | None:
-        """The merged entries of a batch from each row's (None: a row that merges nothing); None if none holds one."""
+        """The merged entries of a batch from each row's (None: a row that merges nothing), as many per (row, kv-head)
+        as the row with the most holds (the others' missing ones at bias -inf); None if none holds one."""
         if all(m is None or not bool(torch.isfinite(m.bias).any()) for m in per_row):
             return None
-        empty = Merged(torch.zeros(heads, dim), torch.zeros(heads, dim), torch.full((heads,), float("-inf")))
-        rows = [empty if m is None else m for m in per_row]
+        parts = max(m.bias.shape[-1] for m in per_row if m is not None)
+        rows = [_padded(m, heads, parts, dim) for m in per_row]
         return cls(
             torch.stack([m.keys.to(device) for m in rows]).to(dtype),
             torch.stack([m.values.to(device) for m in rows]).to(dtype),
@@ -56,3 +57,19 @@ class MergedEntries:
     def allocated_nbytes(self) -> int:
         """Bytes of the tensors, the slots of (row, kv-head)s that merged nothing included."""
         return sum(t.untyped_storage().nbytes() for t in (self.keys, self.values, self.bias))
+
+
+def _padded(merged: Merged | None, heads: int, parts: int, dim: int) -> Merged:
+    """`merged` with `parts` entries a kv-head, the added ones (all of them for None) empty: zeros at bias -inf."""
+    have = 0 if merged is None else merged.bias.shape[-1]
+    device = torch.device("cpu") if merged is None else merged.bias.device
+    pad = Merged(
+        torch.zeros(heads, parts - have, dim, device=device),
+        torch.zeros(heads, parts - have, dim, device=device),
+        torch.full((heads, parts - have), float("-inf"), device=device),
+    )
+    if merged is None:
+        return pad
+    return Merged(
+        *(torch.cat([mine, extra], 1) for mine, extra in zip(vars(merged).values(), vars(pad).values(), strict=True))
+    )
