@@ -17,10 +17,11 @@ With ``parts=m`` each head's evicted entries fall into `m` groups of similar key
 group becomes a merged entry of its own: one averaged value stands for fewer, more alike entries, and every query
 weighs the groups apart (entries sharing a key merge exactly, `m` keys or not). The merged entries, stored in the
 model's dtype, take as many of the head's kept slots as their bytes fill (`Policy.select`: `m` in full precision),
-so a budget holds as many bytes with a merge as without. A policy that
-names no merge uses the one its gates' checkpoint records, if any (`RetentionGates.merge`); ``merge=none``
-(`NO_MERGE`) keeps none. A merge summarizes one eviction of a prompt: a cache that evicts again as it grows (a
-`buffer` or `chunk`, the vLLM plugin) refuses a policy that names one and does without the recorded one
+so a budget holds as many bytes with a merge as without.
+
+A policy that names no merge uses the one its gates' checkpoint records, if any (`RetentionGates.merge`);
+``merge=none`` (`NO_MERGE`) keeps none. A merge summarizes one eviction of a prompt: a cache that evicts again as
+it grows (a `buffer` or `chunk`, the vLLM plugin) refuses a policy that names one and does without the recorded one
 (`Policy.evicting_again`).
 """
 
@@ -193,7 +194,8 @@ class OutputMerge(WindowMerge):
     averaged value then takes a share it does not deserve. This bias minimizes, over the last `WINDOW` queries of
     the head's group, the squared difference between each query's attention output over all the head's entries and
     its output over the kept ones plus the merged one. It is searched among `OFFSETS` from `WindowMerge`'s bias
-    (the lowest leaves the merged entry about 1/3000 of the share it restores).
+    (the lowest leaves the merged entry about 1/3000 of the share it restores). In parts, each group's bias is fitted
+    with the other groups' entries still in place.
     """
 
     name: ClassVar[str] = "output"

@@ -90,17 +90,20 @@ def make_projection(text: str) -> Projection:
     return _projection(converted)
 
 
+#: The merge's parameters in a spec, with their defaults: `merge=` (none) and the `parts` of every merge.
+MERGE_DEFAULTS: dict[str, object] = {"merge": "", "parts": 1}
+
+
 def parse_merge(text: str) -> Merge | None:
     """A merge from ``"name[,key=value,...]"``, e.g. ``"window,parts=4"`` (what follows ``merge=`` in a policy spec),
     or a `PolicyError` that names the problem."""
     given: dict[str, object] = dict(_text_parameters(f"merge={text}"))
-    name, defaults = given.pop("merge"), _parts("streaming", "uniform")["merge"]
+    name = given.pop("merge")
     for key in given:
-        if key not in defaults:
-            raise PolicyError(
-                f"unknown merge parameter {key!r}; valid: {', '.join(k for k in defaults if k != 'merge')}"
-            )
-    return make_merge(name, **{key: _convert(value, defaults[key], key) for key, value in given.items()})
+        if key not in MERGE_DEFAULTS:
+            valid = ", ".join(k for k in MERGE_DEFAULTS if k != "merge")
+            raise PolicyError(f"unknown merge parameter {key!r}; valid: {valid}")
+    return make_merge(name, **{key: _convert(value, MERGE_DEFAULTS[key], key) for key, value in given.items()})
 
 
 def _names(spec: str, allocator: str | None) -> tuple[str, str, str]:
@@ -126,17 +129,17 @@ def _parts(scorer_name: str, allocator_name: str) -> dict[str, dict[str, object]
         "allocator": _defaults(ALLOCATORS[allocator_name]),
         "protection": dict(PROTECTION_DEFAULTS),
         "projection": {"projection": TopK.name} | {k: v for c in PROJECTIONS.values() for k, v in _defaults(c).items()},
-        "merge": {"merge": "", "parts": 1},
+        "merge": dict(MERGE_DEFAULTS),
     }
 
 
 def policy_keywords() -> frozenset[str]:
     """Every keyword `make_policy` takes as a parameter of some policy: the fields of every scorer, allocator and
-    projection, the protection, `projection`, the storage keys and the deprecated names."""
+    projection, the protection, `projection`, the merge's, the storage keys and the deprecated names."""
     classes = [*SCORERS.values(), *ALLOCATORS.values(), *PROJECTIONS.values()]
     fields = {key for cls in classes for key in _defaults(cls)}
     return frozenset(
-        {*fields, *PROTECTION_DEFAULTS, "projection", "merge", "parts", *STORAGE_KEYS, *DEPRECATED_PARAMETERS}
+        {*fields, *PROTECTION_DEFAULTS, "projection", *MERGE_DEFAULTS, *STORAGE_KEYS, *DEPRECATED_PARAMETERS}
     )
 
 
@@ -152,8 +155,9 @@ def make_policy(spec: str | Policy, allocator: str | None = None, **params: obje
             projection's own (`chunk_size` for ``chunk``; `best_tokens` for ``chunk`` and ``sentence``), e.g.
             ``"snapkv+global:projection=chunk,chunk_size=16"``; none named: the one the checkpoint of the
             gates the scorer reads records, else ``topk`` (`Policy.projection`); `merge` (``mean``, ``window``,
-            ``output``, or a `kvsieve.selection.merge.Merge`): what each head evicts lives on as one merged entry;
-            none named: the one the checkpoint of the gates the scorer reads records, if any; ``none``: none.
+            ``output``, or a `kvsieve.selection.merge.Merge`; `parts`: how many, one per group of similar keys): what
+            each head evicts lives on as merged entries; none named: the one the checkpoint of the gates the scorer
+            reads records, if any; ``none``: none.
             The deprecated `budget` (the allocator) and `sliding_window` (`n_recent`) still work, with a warning.
             The storage keys `kv_bits`, `kv_group`, `kv_residual`, `kv_codec` (`kvsieve.selection.storage.Storage`) may
             also be given with a `Policy`; one the spec (or the `Policy`) sets to another value is an error,
