@@ -37,6 +37,14 @@ def merged_columns(cache) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.T
     }
 
 
+def assert_attends_as_all(merged, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, query: torch.Tensor):
+    """`query` over the `kept` entries plus the merged ones gives its attention over every entry (scale 0.25)."""
+    entries = MergedEntries(merged.keys[None], merged.values[None], merged.bias[None])
+    ours = merged_sdpa(query, keys[None, :, kept], values[None, :, kept], None, entries, 0.25)
+    full = reference_attention(query, keys[None], values[None], None, 0.25)
+    torch.testing.assert_close(ours, full, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("merge", [MeanMerge(), WindowMerge(), OutputMerge()])
 def test_merged_entry_of_equal_keys_is_exact(merge):
     """Evicted entries sharing one key get equal weights under every query: one merged entry with the bias log n
@@ -49,11 +57,7 @@ def test_merged_entry_of_equal_keys_is_exact(merge):
     kept = [torch.cat([torch.arange(5), torch.arange(25, 40)])] * 2
     merged = merge_evicted(merge, obs, kept)
     torch.testing.assert_close(merged.bias, torch.full((2, 1), math.log(20)), atol=1e-5, rtol=0)
-    query = torch.randn(1, 4, 3, 16, generator=gen)
-    entries = MergedEntries(merged.keys[None], merged.values[None], merged.bias[None])
-    ours = merged_sdpa(query, keys[None, :, kept[0]], values[None, :, kept[0]], None, entries, 0.25)
-    full = reference_attention(query, keys[None], values[None], None, 0.25)
-    torch.testing.assert_close(ours, full, atol=1e-5, rtol=0)
+    assert_attends_as_all(merged, keys, values, kept[0], torch.randn(1, 4, 3, 16, generator=gen))
 
 
 @pytest.mark.parametrize("merge", [MeanMerge(parts=2), WindowMerge(parts=2)])
@@ -68,11 +72,7 @@ def test_two_parts_merge_two_groups_of_equal_keys_exactly(merge):
     kept = [torch.cat([torch.arange(5), torch.arange(25, 40)])]
     merged = merge_evicted(merge, obs, kept)
     torch.testing.assert_close(merged.bias, torch.full((1, 2), math.log(10)), atol=1e-5, rtol=0)
-    query = torch.randn(1, 2, 3, 16, generator=gen)
-    entries = MergedEntries(merged.keys[None], merged.values[None], merged.bias[None])
-    ours = merged_sdpa(query, keys[None, :, kept[0]], values[None, :, kept[0]], None, entries, 0.25)
-    full = reference_attention(query, keys[None], values[None], None, 0.25)
-    torch.testing.assert_close(ours, full, atol=1e-5, rtol=0)
+    assert_attends_as_all(merged, keys, values, kept[0], torch.randn(1, 2, 3, 16, generator=gen))
     one = merge_evicted(merge, obs, [torch.cat([torch.arange(5), torch.arange(6, 40)])])
     assert torch.isfinite(one.bias).tolist() == [[True, False]]
 

@@ -16,7 +16,7 @@ from kvsieve.selection.merge import NO_MERGE, OutputMerge, WindowMerge
 from kvsieve.selection.observation import Needs
 from kvsieve.selection.spec import make_policy
 from kvsieve.vllm.settings import PluginSettings
-from test_recorded_projection import save_random_gates
+from test_recorded_projection import _same, save_random_gates
 
 
 @pytest.fixture
@@ -25,19 +25,22 @@ def recording(model, tmp_path) -> str:
     return save_random_gates(model, tmp_path / "merging", merge=OutputMerge())
 
 
+def _same_merged(a: kvsieve.SievedCache, b: kvsieve.SievedCache) -> bool:
+    """Whether every layer of both holds the same merged entries, or both none."""
+    return all(
+        (x.merged is None and y.merged is None)
+        or (
+            x.merged is not None
+            and y.merged is not None
+            and all(map(torch.equal, vars(x.merged).values(), vars(y.merged).values()))
+        )
+        for x, y in zip(a.layers, b.layers, strict=True)
+    )
+
+
 def _same_caches(a: kvsieve.SievedCache, b: kvsieve.SievedCache) -> bool:
-    """Whether both keep the same positions and hold the same merged entries (or none)."""
-    for layer, (mine, theirs) in enumerate(zip(a.layers, b.layers, strict=True)):
-        kept = zip(a.kept_positions(layer), b.kept_positions(layer), strict=True)
-        if not all(torch.equal(x, y) for x, y in kept):
-            return False
-        if (mine.merged is None) != (theirs.merged is None):
-            return False
-        if mine.merged is not None and not all(
-            torch.equal(x, y) for x, y in zip(vars(mine.merged).values(), vars(theirs.merged).values(), strict=True)
-        ):
-            return False
-    return True
+    """Whether both keep the same positions (`_same`) and hold the same merged entries (or none)."""
+    return _same(a, b) and _same_merged(a, b)
 
 
 def test_the_checkpoint_keeps_the_merge(model, recording, tmp_path):
