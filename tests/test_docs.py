@@ -22,6 +22,8 @@ from conftest import tiny_llama
 from kvsieve.modeling.gates import RetentionGates, gate_shape
 from kvsieve.selection import checkpoint
 from kvsieve.selection.checkpoint import TrainRecord, model_fingerprint, save_gates
+from kvsieve.selection.merge import WindowMerge
+from kvsieve.selection.projection import Chunks
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -174,3 +176,11 @@ def test_a_report_names_the_shipped_gates_its_trimkv_rows_read(tmp_path, monkeyp
     assert digests["tiny"] != digests["replaced-tiny"]
     assert gates == {"name": "tiny", "sha256": digests["tiny"]}
     assert provenance.gates_note(gates) == f" `trimkv` read the shipped gates `tiny` (weights {digests['tiny']})."
+    recording = RetentionGates(gate_shape(model, width=8), projection=Chunks(chunk_size=4), merge=WindowMerge(parts=4))
+    save_gates(recording, record, tmp_path / "tiny")
+    gates = provenance.default_gates(model)
+    assert gates["projection"] == "projection=chunk,chunk_size=4" and gates["merge"] == "merge=window,parts=4"
+    assert provenance.gates_note(gates).endswith(
+        "(weights " + gates["sha256"] + ", `projection=chunk,chunk_size=4` and `merge=window,parts=4` where a policy "
+        "names none)."
+    )

@@ -41,6 +41,11 @@ def projection_parameters(projection: Projection) -> list[str]:
     return [f"projection={projection.name}", *non_defaults(projection)]
 
 
+def merge_parameters(merge: Merge) -> list[str]:
+    """A merge as a policy spec names it: `merge=NAME` and its parameters that differ from the defaults."""
+    return [f"merge={merge.name}", *non_defaults(merge)]
+
+
 @dataclass(frozen=True)
 class Policy:
     """Which entries to keep: a scorer, an allocator, a projection and the protection rule.
@@ -82,7 +87,7 @@ class Policy:
         if self.projection is not None:
             params += projection_parameters(self.projection)
         if self.merge is not None:
-            params += [f"merge={self.merge.name}", *non_defaults(self.merge)]
+            params += merge_parameters(self.merge)
         params += [f"{key}={value}" for key, value in self.storage.parameters().items()]
         return f"{head}:{','.join(params)}" if params else head
 
