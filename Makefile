@@ -108,7 +108,7 @@ ENSEMBLE_SEEDS := 0 1 2 3 4
 CHECKPOINTS := src/kvsieve/selection/checkpoints
 gates: setup
 	$(foreach seed,$(ENSEMBLE_SEEDS),$(VENV)/bin/kvsieve train-gates $(DEFAULT_RECIPE) --seed $(seed) --out $(GATES_WORK)/seed-$(seed) &&) true
-	$(VENV)/bin/kvsieve ensemble-gates $(foreach seed,$(ENSEMBLE_SEEDS),$(GATES_WORK)/seed-$(seed)) --horizon 128 --out $(CHECKPOINTS)/smollm2-135m
+	$(VENV)/bin/kvsieve ensemble-gates $(foreach seed,$(ENSEMBLE_SEEDS),$(GATES_WORK)/seed-$(seed)) --horizon 128 --merge window,parts=4 --out $(CHECKPOINTS)/smollm2-135m
 
 gates-seed0: setup
 	$(VENV)/bin/kvsieve train-gates $(DEFAULT_RECIPE) --horizon 128 --out $(CHECKPOINTS)/smollm2-135m-capacity32-varied

@@ -8,8 +8,9 @@ samples of the evaluation seed.
 
 - ``ppl``: the perplexity protocol (docs/protocols.md) on held-back essays (6 of the 12 have the 1,537 tokens
   it needs), rates 0.5 / 0.7 / 0.8 / 0.9 / 0.95; also the gates shipped before (the default model's
-  `smollm2-135m-capacity32-varied`, `-capacity32`, `-capacity128`; Gemma-3-270M's `gemma3-270m-seed0`, and
-  its default gates entry by entry, `projection=topk`).
+  `smollm2-135m-capacity32-varied`, `-capacity32`, `-capacity128`; Gemma-3-270M's `gemma3-270m-seed0`) and the
+  default gates as read before their checkpoint recorded a merge (the default model's, `merge=none`) or a projection
+  (Gemma's, entry by entry: `projection=topk`).
 - ``tasks``: the RULER and routing suites, question-agnostic and -aware, rates 0.5 / 0.75 / 0.9 / 0.95;
   then every (task, rate) where trimkv+global's accuracy or gold log-prob beats the full cache
   (paired bootstrap over samples), and every one where it falls short.
@@ -58,10 +59,13 @@ RIVALS = [*RECONSTRUCTING, *HEURISTICS]
 #: The claim is tested for this policy.
 CLAIMANT = "trimkv+global"
 #: Per model, its gates shipped before the present default ones, run beside them (and paired) in the ppl stage;
-#: Gemma's also the same gates entry by entry, as `trimkv+global` kept them there before their checkpoint recorded
-#: `projection=sentence,best_tokens=0.1`.
+#: also the default gates as `trimkv+global` read them before their checkpoint recorded a merge (the default model's
+#: `merge=none`) or a projection (Gemma's entry by entry, `projection=topk`).
 PREVIOUS = {
-    "default": [f"trimkv+global:gates=smollm2-135m-capacity{c}" for c in ("32-varied", 32, 128)],
+    "default": [
+        "trimkv+global:merge=none",
+        *(f"trimkv+global:gates=smollm2-135m-capacity{c}" for c in ("32-varied", 32, 128)),
+    ],
     GEMMA_MODEL: ["trimkv+global:projection=topk", "trimkv+global:gates=gemma3-270m-seed0"],
 }
 PPL_RATES = [0.5, 0.7, 0.8, 0.9, 0.95]

@@ -70,7 +70,8 @@ def test_default_model_h2o_generation_stays_bounded_and_starts_as_the_full_cache
 
 @torch.no_grad()
 def test_shipped_gates_load_and_compress_the_default_model(default_model):
-    """The trimkv checkpoint inside the package is found by the model's weights hash and evicts for real."""
+    """The trimkv checkpoint inside the package is found by the model's weights hash and evicts for real, folding
+    what each head evicts into the merged entries its checkpoint records."""
     from kvsieve.selection.checkpoint import load_gates, read_gates, shipped_checkpoints, shipped_gates_for
 
     model, tokenizer = default_model
@@ -98,7 +99,13 @@ def test_shipped_gates_load_and_compress_the_default_model(default_model):
     cache = kvsieve.compress(model, ids[:, :-1], "trimkv+global", rate=0.8)
     evictable = 399 - 1 - 32
     kept = sum(n - 33 for layer in cache.stored_lengths() for n in layer)
-    assert kept == 90 * (evictable - round(0.8 * evictable)), "one global budget over 30 layers x 3 kv-heads"
+    budget = 90 * (evictable - round(0.8 * evictable))
+    assert kept == budget - 90 * 4, "one global budget over 30 layers x 3 kv-heads, four slots a head for merges"
+    merged = sum(int(torch.isfinite(layer.merged.bias).sum()) for layer in cache.layers)
+    assert 0.95 * 90 * 4 <= merged <= 90 * 4, "the default gates record merge=window,parts=4: up to 4 a head"
+    plain = kvsieve.compress(model, ids[:, :-1], "trimkv+global:merge=none", rate=0.8)
+    assert all(layer.merged is None for layer in plain.layers), "merge=none: the default before the merge"
+    assert sum(n - 33 for layer in plain.stored_lengths() for n in layer) == budget
     assert len({n for layer in cache.stored_lengths() for n in layer}) > 1, "layers and heads keep what they earn"
     assert cache.nbytes() < 0.4 * full
     with kvsieve.sieve_attention(model):
