@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -29,22 +30,27 @@ class Eviction:
     protect_positions: torch.Tensor | None = None
     spans: torch.Tensor | None = None
 
+    @cached_property
+    def parsed_policy(self) -> Policy | None:
+        """`policy` as a `Policy`, parsed once (None keeps everything)."""
+        return None if self.policy is None else make_policy(self.policy)
+
     def kept_entries(
         self, observations: Sequence[Observation], reserved: int = 0, entry_bytes: int | None = None
     ) -> list[list[torch.Tensor]]:
         """Per observed layer and kv-head, the entries to keep. `reserved`: bytes per sequence of the
         sliding-window layers at their window, which a byte budget sets aside first; `entry_bytes`: the
         bytes an entry will be stored in (`Policy.select`)."""
-        if self.policy is None:
+        if self.parsed_policy is None:
             return [[torch.arange(o.length) for _ in range(o.num_kv_heads)] for o in observations]
         budget = as_budget(self.budget).reserve(reserved)
-        return make_policy(self.policy).select(observations, budget, self.protect_positions, self.spans, entry_bytes)
+        return self.parsed_policy.select(observations, budget, self.protect_positions, self.spans, entry_bytes)
 
     def merged_entries(
         self, observations: Sequence[Observation], kept: Sequence[Sequence[torch.Tensor]]
     ) -> list[Merged] | None:
         """Per observed layer, what the heads evicted (all that `kept` does not name) merged, if the policy merges."""
-        return None if self.policy is None else make_policy(self.policy).merged(observations, kept)
+        return None if self.parsed_policy is None else self.parsed_policy.merged(observations, kept)
 
 
 class EvictionPlan(Protocol):
