@@ -27,7 +27,6 @@ it grows (a `buffer` or `chunk`, the vLLM plugin) refuses a policy that names on
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from .errors import PolicyError
+from .fields import changed_fields
 from .observation import Needs, Observation
 
 #: Why a cache that evicts again as it grows refuses a policy that merges.
@@ -267,5 +267,5 @@ def make_merge(choice: object, **params: object) -> Merge | None:
 
 def merge_record(merge: Merge) -> str | dict[str, object]:
     """A merge as a gate checkpoint records it: its name, with the parameters it does not leave at their defaults."""
-    changed = {f.name: getattr(merge, f.name) for f in dataclasses.fields(merge) if getattr(merge, f.name) != f.default}
+    changed = changed_fields(merge)
     return {"name": merge.name, **changed} if changed else merge.name

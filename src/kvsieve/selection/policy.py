@@ -13,6 +13,7 @@ import torch
 from .allocators import Allocator, Uniform
 from .budget import Budget, Rate, as_budget
 from .errors import PolicyError
+from .fields import changed_fields
 from .merge import MERGE_ONCE, NO_MERGE, Merge, Merged, folds, merge_evicted
 from .observation import Needs, Observation
 from .projection import Projection, TopK, check_spans
@@ -27,13 +28,7 @@ def _format(value: object) -> str:
 
 def non_defaults(obj: object) -> list[str]:
     """`key=value` for every init field of a dataclass whose value differs from its default."""
-    if not dataclasses.is_dataclass(obj):
-        return []
-    return [
-        f"{f.name}={_format(getattr(obj, f.name))}"
-        for f in dataclasses.fields(obj)
-        if f.init and getattr(obj, f.name) != f.default
-    ]
+    return [f"{name}={_format(value)}" for name, value in changed_fields(obj).items()]
 
 
 def projection_parameters(projection: Projection) -> list[str]:
