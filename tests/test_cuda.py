@@ -13,7 +13,7 @@ from conftest import tiny_llama
 from kvsieve.harness.cli import app
 from kvsieve.harness.models import load_model
 from kvsieve.harness.training.retention import decayed_attention, masked_decayed_attention
-from kvsieve.runtime.attention.kernels import VARLEN_ARGUMENTS, reference_attention, varlen_attention, varlen_available
+from kvsieve.kernels.attention import VARLEN_ARGUMENTS, reference_attention, varlen_attention, varlen_available
 from kvsieve.runtime.storage.codecs import codec_for
 from kvsieve.runtime.storage.segments import Segments
 from kvsieve.selection.checkpoint import read_gates

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 import kvsieve
 from conftest import tiny_llama
-from kvsieve.runtime.attention import kernels
+from kvsieve.kernels import attention as kernels
 from kvsieve.selection.allocators import ALLOCATORS
 from specs import SCORER_SPECS
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsieve.runtime.attention.kernels import masked_sdpa, observed_attention, reference_attention
+from kvsieve.kernels.attention import masked_sdpa, observed_attention, reference_attention
 
 
 def _ragged(rows: int, kv_heads: int, group: int, q: int, length: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -72,7 +72,7 @@ def test_varlen_kernel_reads_padded_storage_in_place(monkeypatch):
     The kernel itself needs CUDA (tests/test_cuda.py runs it there); here it is replaced by its documented
     behaviour so that how kvsieve lays out grid and packed storage for it is checked on every machine.
     """
-    from kvsieve.runtime.attention import kernels
+    from kvsieve.kernels import attention as kernels
     from kvsieve.runtime.storage.segments import Segments
 
     monkeypatch.setattr(kernels, "_varlen_kernel", lambda: _documented_varlen)

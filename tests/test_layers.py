@@ -1,7 +1,7 @@
-"""The layers: modeling imports no other, selection neither runtime nor harness, runtime never the harness, and
-the vLLM plugin (a second runtime beside `runtime`) only modeling and selection; inside the runtime, storage <
-attention < observing < eviction < api; and `import kvsieve` loads no harness module and none of the harness's
-heavy dependencies."""
+"""The layers: kernels and modeling import no other, selection neither runtime nor harness, runtime never the
+harness, and the vLLM plugin (a second runtime beside `runtime`) only kernels, modeling and selection; inside the
+runtime, storage < attention < observing < eviction < api; and `import kvsieve` loads no harness module and none of
+the harness's heavy dependencies."""
 
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ import kvsieve
 PACKAGE = Path(kvsieve.__file__).parent
 #: Each layer and the kvsieve layers it may import.
 ALLOWED = {
+    "kernels": {"kernels"},
     "modeling": {"modeling"},
     "selection": {"modeling", "selection"},
-    "runtime": {"modeling", "selection", "runtime"},
-    "vllm": {"modeling", "selection", "vllm"},
-    "harness": {"modeling", "selection", "runtime", "harness"},
+    "runtime": {"kernels", "modeling", "selection", "runtime"},
+    "vllm": {"kernels", "modeling", "selection", "vllm"},
+    "harness": {"kernels", "modeling", "selection", "runtime", "harness"},
 }
 #: The runtime's folders from the bottom up: each imports only those before it (and the runtime's own modules).
 RUNTIME_LEVELS = ("storage", "attention", "observing", "eviction", "api")

@@ -9,8 +9,8 @@ import torch
 
 import kvsieve
 from conftest import tiny_gemma3, tiny_llama
+from kvsieve.kernels.attention import merged_sdpa, reference_attention
 from kvsieve.runtime.api.evictions import Eviction, evictions
-from kvsieve.runtime.attention.kernels import merged_sdpa, reference_attention
 from kvsieve.runtime.observing.prefill import observe_prefill
 from kvsieve.runtime.storage.merged import MergedEntries
 from kvsieve.selection.errors import PolicyError
@@ -240,7 +240,7 @@ def test_merge_names_and_refusals(model, ids):
             make_policy(f"snapkv:{bad}")
     with pytest.raises(PolicyError, match="summarize one eviction of a prompt"):
         kvsieve.compress(model, ids, "snapkv:merge=window", max_tokens=40, buffer=8)
-    assert any("merged entries" in why for why in unservable(make_policy("snapkv:merge=window")))
+    assert not unservable(make_policy("snapkv:merge=window"))  # vLLM serves it (kvsieve's attention adds the bias)
 
 
 def test_a_layer_merges_once(model, ids):

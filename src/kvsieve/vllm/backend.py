@@ -14,6 +14,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from ..selection.observation import LayerFacts
 from . import worker_state
+from .compaction import layer_index
 
 
 class SieveMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -39,7 +40,8 @@ class SieveMetadataBuilder(CPUAttentionMetadataBuilder):
 
 
 class SieveAttentionImpl(CPUAttentionBackendImpl):
-    """vLLM's CPU attention, then kvsieve's recording and compaction for the layer."""
+    """vLLM's CPU attention, kvsieve's attention for the requests whose cells vLLM's kernel cannot read, then
+    kvsieve's recording and compaction for the layer."""
 
     kvsieve_facts: LayerFacts | None = None  # what the model fixes about the layer, once kvsieve first sees it
 
@@ -50,6 +52,8 @@ class SieveAttentionImpl(CPUAttentionBackendImpl):
             sieve, plan = step
             if self.kvsieve_facts is None:
                 self.kvsieve_facts = LayerFacts(scaling=self.scale, q_heads=self.num_heads, gates=sieve.gates)
+            sieve.caches[layer_index(layer.layer_name)] = kv_cache
+            sieve.attend(layer_index(layer.layer_name), self.kvsieve_facts, query, output, plan)
             sieve.after_attention(layer, self.kv_cache_dtype, self.kvsieve_facts, query, output, kv_cache, plan)
         return output
 

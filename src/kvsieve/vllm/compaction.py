@@ -17,34 +17,34 @@ import torch
 
 from ..modeling.gates import RetentionGates
 from ..modeling.rotary import Rotary
-from ..selection.observation import LayerFacts, Observation, Statistics
-from .held import HeldCache, RecentMeasures
-from .layout import check_layout, read_entries, write_entries
+from ..selection.observation import LayerFacts, Needs, Observation, Statistics
+from .cells import pack_cells
+from .held import CompactedLayer, HeldCache, RecentMeasures
+from .layout import check_layout, read_cells, write_cells
 from .plan import RowPlan, StepPlan
+from .ragged import HeldEntries, compacted_entries, ragged_attention
 from .settings import PluginSettings
 
 
 @dataclass
 class ReadLayer:
-    """One layer's entries of one due request, read after the step's attention, and where to write them back."""
+    """One layer's entries of one due request, read after the step's attention, and what the model fixes of it."""
 
-    layer: torch.nn.Module
-    kv_cache_dtype: str
-    kv_cache: torch.Tensor
     facts: LayerFacts
-    keys: torch.Tensor
-    values: torch.Tensor
-    positions: torch.Tensor
+    entries: HeldEntries
 
 
 @dataclass
 class WorkerSieve:
-    """One worker's plugin state: the settings, what the model fixes, and every request's held cache."""
+    """One worker's plugin state: the settings, what the model fixes, every layer's cache and every request's held
+    cache."""
 
     settings: PluginSettings
     runner: object
     gates: dict[str, RetentionGates] = field(default_factory=dict)
     rotary: Rotary | None = None
+    needs: Needs = field(default_factory=Needs)
+    caches: dict[int, torch.Tensor] = field(default_factory=dict)
     held: dict[str, HeldCache] = field(default_factory=dict)
     reads: dict[str, dict[int, ReadLayer]] = field(default_factory=dict)
     evictions: dict[str, int] = field(default_factory=dict)
@@ -64,7 +64,9 @@ class WorkerSieve:
             seen = computed + starts[i + 1] - starts[i]
             due = self._due(computed, seen, prompt, held)
             blocks = metadata.block_table_tensor[i]
-            rows.append(RowPlan(req_id, starts[i], starts[i + 1], computed, seen, blocks, held.evicted, due))
+            rows.append(
+                RowPlan(req_id, starts[i], starts[i + 1], computed, seen, blocks, held.evicted, due, held.ragged)
+            )
         return StepPlan(tuple(rows), num_layers, block_size)
 
     def _due(self, computed: int, seen: int, prompt: int, held: HeldCache) -> bool:
@@ -73,7 +75,7 @@ class WorkerSieve:
         A request that has seen fewer tokens than the policy's window is kept whole (kvsieve.compress would refuse
         to score it).
         """
-        if seen < self.settings.policy.needs.window:
+        if seen < self.needs.window:
             return False
         if computed < prompt <= seen:
             return True
@@ -90,6 +92,17 @@ class WorkerSieve:
         evictions, self.evictions = self.evictions, {}
         return evictions
 
+    def attend(
+        self, layer_idx: int, facts: LayerFacts, query: torch.Tensor, output: torch.Tensor, plan: StepPlan
+    ) -> None:
+        """Write into `output` the attention of every ragged row of the step (vLLM's kernel cannot read its cells)."""
+        for row in plan.rows:
+            if row.ragged:
+                entries = self._entries(layer_idx, row, plan)
+                bias = self.held[row.req_id].bias(layer_idx, entries.keys.shape[0], row.stored)
+                attended = ragged_attention(query[row.start : row.stop], entries, bias, row.positions, facts)
+                output[row.start : row.stop] = attended.reshape(output[row.start : row.stop].shape)
+
     def after_attention(
         self,
         layer: torch.nn.Module,
@@ -102,7 +115,7 @@ class WorkerSieve:
     ) -> None:
         """Record what one layer's window queries yielded (`query`, `output`: `[tokens, q_heads * d]` of the step)
         and read its due requests' entries; after the last layer, compact."""
-        needs = self.settings.policy.needs
+        needs = self.needs
         if not needs.window and not plan.due:
             return
         layer_idx = layer_index(layer.layer_name)
@@ -113,14 +126,21 @@ class WorkerSieve:
                 self._record(recent, row, facts.q_heads, query, output)
             if row.due:
                 check_layout(layer, kv_cache_dtype, kv_cache)
-                shifted = row.blocks[row.evicted // plan.block_size :]
-                keys, values = read_entries(kv_cache, shifted, row.stored)
-                positions = held.positions(layer_idx, keys.shape[0], row.stored)
-                read = ReadLayer(layer, kv_cache_dtype, kv_cache, facts, keys, values, positions)
+                read = ReadLayer(facts, self._entries(layer_idx, row, plan))
                 self.reads.setdefault(row.req_id, {})[layer_idx] = read
         if plan.due and all(len(self.reads.get(row.req_id, ())) == plan.num_layers for row in plan.due):
             for row in plan.due:
                 self._compact(row, plan, self.reads.pop(row.req_id))
+
+    def _entries(self, layer_idx: int, row: RowPlan, plan: StepPlan) -> HeldEntries:
+        """A row's entries in one layer after the step's cache write, padded per kv-head."""
+        held, kv_heads = self.held[row.req_id], self.caches[layer_idx].shape[1]
+        cells = held.cells(layer_idx, kv_heads, row.stored)
+        keys, values = read_cells(self.caches, plan.blocks_after(row, row.evicted), cells)
+        valid = cells.valid
+        return HeldEntries(
+            keys, values, held.positions(layer_idx, kv_heads, row.stored), None if bool(valid.all()) else valid
+        )
 
     def _record(
         self, recent: RecentMeasures, row: RowPlan, q_heads: int, query: torch.Tensor, output: torch.Tensor
@@ -128,7 +148,7 @@ class WorkerSieve:
         """Keep what the row's last window queries yielded: every measure of `Needs.window_measures`."""
         start = max(row.start, row.stop - recent.window)
         ran = [x[start : row.stop].view(row.stop - start, q_heads, -1).transpose(0, 1)[None] for x in (query, output)]
-        measures = self.settings.policy.needs.window_measures
+        measures = self.needs.window_measures
         recent.append({m.name: m.measure(*ran)[0] for m in measures}, row.positions[start - row.start :])
 
     def observations(self, row: RowPlan, reads: dict[int, ReadLayer]) -> list[Observation]:
@@ -141,13 +161,14 @@ class WorkerSieve:
             recent = held.recent.get(layer_idx)
             if recent is not None:
                 stats = Statistics(window=dict(recent.measured), window_positions=recent.positions)
+            entries = read.entries
             observation = Observation(
                 layer_idx=layer_idx,
                 num_layers=num_layers,
-                keys=read.keys,
-                values=read.values,
-                positions=read.positions,
-                valid=None,
+                keys=entries.keys,
+                values=entries.values,
+                positions=entries.positions,
+                valid=entries.valid,
                 facts=read.facts,
                 stats=stats,
                 rotary=self.rotary,
@@ -158,26 +179,25 @@ class WorkerSieve:
         return out
 
     def _compact(self, row: RowPlan, plan: StepPlan, reads: dict[int, ReadLayer]) -> None:
-        """Select with the policy, write each layer's kept entries to the front of the request's blocks."""
+        """Select with the policy (merging what it evicts, where it merges), pack every (layer, kv-head)'s entries
+        into the request's cells (`kvsieve.vllm.cells`) and write them there."""
         observations = self.observations(row, reads)
         keep = self.settings.policy.select(observations, self.settings.budget)
-        counts = {int(index.numel()) for layer in keep for index in layer}
-        if len(counts) != 1:
-            raise RuntimeError(f"kvsieve kept different counts per (layer, kv-head) ({sorted(counts)}) in vLLM")
-        count = counts.pop()
-        if count == row.stored:
+        merged = self.settings.policy.merged(observations, keep)
+        layers = [
+            compacted_entries(obs, kept, None if merged is None else merged[i])
+            for i, (obs, kept) in enumerate(zip(observations, keep, strict=True))
+        ]
+        packing = pack_cells([layer.counts for layer in layers])
+        if packing.identity and merged is None and packing.rows == row.stored:
             return
-        held, evicted = self.held[row.req_id], row.seen - count
-        slots = plan.destination(row, evicted, count)
-        for obs, kept in zip(observations, keep, strict=True):
-            read, index = reads[obs.layer_idx], torch.stack(kept)  # [kv_heads, count]
-            gather = index[..., None].expand(-1, -1, obs.keys.shape[-1])
-            keys, values = obs.keys.gather(1, gather), obs.values.gather(1, gather)
-            write_entries(
-                read.layer, read.kv_cache_dtype, read.kv_cache, keys.transpose(0, 1), values.transpose(0, 1), slots
-            )
-            held.kept[obs.layer_idx] = obs.positions.gather(1, index)
-        held.evicted = evicted
+        held, evicted = self.held[row.req_id], row.seen - packing.rows
+        blocks = plan.blocks_after(row, evicted)
+        for obs, layer, cells in zip(observations, layers, packing.layers, strict=True):
+            write_cells(self.caches, blocks, cells, layer.keys, layer.values)
+            held.compacted[obs.layer_idx] = CompactedLayer(cells, layer.positions, layer.bias)
+        held.evicted, held.rows = evicted, packing.rows
+        held.ragged = not packing.identity or merged is not None
         self.evictions[row.req_id] = evicted
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cells import LayerCells, append_tail, home_cells
+
 
 @dataclass
 class RecentMeasures:
@@ -26,30 +28,60 @@ class RecentMeasures:
         self.positions = (positions if held is None else torch.cat([held, positions]))[-self.window :]
 
 
-@dataclass
-class HeldCache:
-    """One request's cache in a worker: after a compaction, cache indices `[0, C)` hold each (layer, kv-head)'s kept
-    entries and every later token at position `p` sits at cache index `p - evicted`.
+@dataclass(frozen=True)
+class CompactedLayer:
+    """Where one layer's compacted entries sit and what they are.
 
     Attributes:
-        evicted: entries removed from the request's cache index space (`d`); 0 until the first compaction.
-        kept: per layer index, `[kv_heads, C]` the positions of the entries at cache indices `[0, C)`.
+        cells: each kv-head's entries: the kept ones, then its merged ones.
+        positions: `[kv_heads, width]` the token position of each (-1 for a merged entry and for padding).
+        bias: `[kv_heads, width]` the logit bias of each (0 for a kept entry), or None when nothing was merged.
+    """
+
+    cells: LayerCells
+    positions: torch.Tensor
+    bias: torch.Tensor | None = None
+
+
+@dataclass
+class HeldCache:
+    """One request's cache in a worker. After a compaction, cache indices `[0, rows)` of every (layer, kv-head)
+    lane hold the compacted entries, in the cells `compacted` names (`kvsieve.vllm.cells`), and every later token
+    at position `p` sits at cache index `p - evicted` of its own lane.
+
+    Attributes:
+        evicted: true positions minus cache indices (`seen - rows` at the last compaction); 0 until then.
+        rows: cache indices of every lane the compacted entries take.
+        ragged: whether kvsieve's attention must read this request (heads keep different counts, or merged
+            entries with their biases); False: vLLM's kernel reads it as it reads any request.
+        compacted: per layer index, the compacted entries.
         recent: per layer index, what the last window queries yielded (when the policy reads them).
     """
 
     evicted: int = 0
-    kept: dict[int, torch.Tensor] = field(default_factory=dict)
+    rows: int = 0
+    ragged: bool = False
+    compacted: dict[int, CompactedLayer] = field(default_factory=dict)
     recent: dict[int, RecentMeasures] = field(default_factory=dict)
 
-    @property
-    def compacted(self) -> int:
-        """C: the entries per (layer, kv-head) the last compaction kept."""
-        return next(iter(self.kept.values())).shape[1] if self.kept else 0
+    def cells(self, layer_idx: int, kv_heads: int, stored: int) -> LayerCells:
+        """The cells of a layer's `stored` entries per lane: the compacted ones, then those appended since."""
+        if not self.compacted:
+            return home_cells(layer_idx, kv_heads, stored)
+        return self.compacted[layer_idx].cells.with_tail(layer_idx, self.rows, stored)
 
     def positions(self, layer_idx: int, kv_heads: int, stored: int) -> torch.Tensor:
-        """`[kv_heads, stored]` the token positions of a layer's entries at cache indices `[0, stored)`."""
-        compacted = self.compacted
-        appended = torch.arange(compacted + self.evicted, stored + self.evicted).expand(kv_heads, -1)
-        if not compacted:
+        """`[kv_heads, width]` the token positions of `cells`' entries (-1 for merged entries and padding)."""
+        appended = torch.arange(self.rows + self.evicted, stored + self.evicted).expand(kv_heads, -1)
+        if not self.compacted:
             return appended
-        return torch.cat([self.kept[layer_idx], appended], dim=1)
+        layer = self.compacted[layer_idx]
+        return append_tail(layer.positions, layer.cells.count, appended, -1)
+
+    def bias(self, layer_idx: int, kv_heads: int, stored: int) -> torch.Tensor | None:
+        """`[kv_heads, width]` the logit bias of `cells`' entries (0 but for merged ones), or None: no merged one."""
+        layer = self.compacted.get(layer_idx)
+        if layer is None or layer.bias is None:
+            return None
+        appended = torch.zeros(kv_heads, stored - self.rows)
+        return append_tail(layer.bias, layer.cells.count, appended, float("-inf"))

@@ -20,6 +20,7 @@ class RowPlan:
         blocks: its block-table row as vLLM allocated it (indexed by true position).
         evicted: entries removed from its cache index space before this step.
         due: whether kvsieve compacts it after this step's attention.
+        ragged: whether kvsieve's attention reads it this step (its compacted entries are not all at home).
     """
 
     req_id: str
@@ -30,6 +31,7 @@ class RowPlan:
     blocks: torch.Tensor
     evicted: int
     due: bool
+    ragged: bool = False
 
     @property
     def positions(self) -> torch.Tensor:
@@ -57,7 +59,8 @@ class StepPlan:
     def remap(self, metadata: object) -> object:
         """vLLM's common attention metadata with each compacted row's tokens written at cache index `p - evicted`:
         its block-table row shifted past the freed blocks, its slots rewritten in place (the KV write reads the same
-        tensor), its attention length cut by `evicted`."""
+        tensor), its attention length cut by `evicted`. A ragged row's length is cut to its query: kvsieve's
+        attention overwrites what vLLM's kernel computes for it, so the kernel reads no more than it must."""
         if not any(row.evicted for row in self.rows):
             return metadata
         table, seq_lens = metadata.block_table_tensor.clone(), metadata.seq_lens.clone()
@@ -69,7 +72,7 @@ class StepPlan:
             cache_index = row.positions - row.evicted
             slots = table[i, cache_index // self.block_size].long() * self.block_size + cache_index % self.block_size
             metadata.slot_mapping[row.start : row.stop] = slots.to(metadata.slot_mapping.dtype)
-            seq_lens[i] -= row.evicted
+            seq_lens[i] = row.stop - row.start if row.ragged else seq_lens[i] - row.evicted
         return dataclasses.replace(
             metadata,
             block_table_tensor=table,
@@ -77,8 +80,6 @@ class StepPlan:
             max_seq_len=int(seq_lens[: len(self.rows)].max()),
         )
 
-    def destination(self, row: RowPlan, evicted: int, count: int) -> torch.Tensor:
-        """`[count]` the slots of cache indices `[0, count)` once `evicted` entries are gone from `row`'s front."""
-        blocks = row.blocks[evicted // self.block_size :]
-        index = torch.arange(count)
-        return blocks[index // self.block_size].long() * self.block_size + index % self.block_size
+    def blocks_after(self, row: RowPlan, evicted: int) -> torch.Tensor:
+        """`row`'s blocks in cache-index order once `evicted` entries are gone from its front."""
+        return row.blocks[evicted // self.block_size :]

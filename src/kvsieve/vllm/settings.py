@@ -44,17 +44,10 @@ def unservable(policy: Policy) -> list[str]:
         why.append("the attention output projection W_o (the attention backend does not hold it)")
     if any(measure.reads_output for measure in needs.measures):
         why.append("each window query's attention output over the held entries (not recorded inside vLLM)")
-    if policy.allocator.name != "uniform":
-        why.append(
-            f"the {policy.allocator.name} allocator: its heads keep different counts, and vLLM's blocks free memory "
-            "only when every (layer, kv-head) keeps the same count (use the uniform allocator)"
-        )
     if policy.needs_spans:
         why.append(f"the {policy.projection.name} projection's spans, which a vLLM request does not carry")
     if policy.storage != FULL_STORAGE:
         why.append("kvsieve's own storage (kv_bits, kv_codec); vLLM stores entries in --kv-cache-dtype")
-    if policy.names_merge:
-        why.append("merged entries (merge=), a logit bias per entry that vLLM's attention kernels do not add")
     return why
 
 
@@ -91,7 +84,12 @@ class PluginSettings:
             raise PluginConfigError("kvsieve in vLLM takes a rate or max_tokens")
         if buffer is not None and not budget.is_size:
             raise PluginConfigError("buffer holds a size while generating: give max_tokens with it, not a rate")
-        return cls(policy.evicting_again(), budget, buffer, entry.get("trace"))
+        if buffer is not None:
+            try:
+                policy = policy.evicting_again()
+            except PolicyError as err:
+                raise PluginConfigError(f"kvsieve in vLLM: {err}") from None
+        return cls(policy, budget, buffer, entry.get("trace"))
 
     @property
     def bounded(self) -> bool:

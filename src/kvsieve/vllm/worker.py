@@ -4,12 +4,15 @@ each step's compactions to the scheduler on the model runner's output."""
 from __future__ import annotations
 
 import copy
+import functools
+import operator
 
 import torch
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from ..modeling.rotary import find_rotary
 from ..selection.checkpoint import load_gates
+from ..selection.merge import folds
 from . import worker_state
 from .compaction import WorkerSieve
 from .settings import CONFIG_KEY, PluginSettings
@@ -24,13 +27,17 @@ def transformers_model(path: str) -> torch.nn.Module:
 
 
 def worker_sieve(settings: PluginSettings, runner: object, model_path: str) -> WorkerSieve:
-    """The worker's kvsieve state, with the gates and rotary embedding the policy reads (checked against the model)."""
-    needs = settings.policy.needs
-    sieve = WorkerSieve(settings, runner)
-    if needs.gates or needs.rotary:
+    """The worker's kvsieve state, with the gates and rotary embedding the policy reads (checked against the model),
+    recording what the merge its gates' checkpoint records reads (for a policy that names no merge)."""
+    policy = settings.policy
+    sieve = WorkerSieve(settings, runner, needs=policy.needs)
+    if policy.needs.gates or policy.needs.rotary:
         model = transformers_model(model_path)
-        sieve.gates = {source: load_gates(source, model).float() for source in needs.gates}
+        sieve.gates = {source: load_gates(source, model).float() for source in policy.needs.gates}
         sieve.rotary = find_rotary(model.float())
+    if policy.merge is None:
+        recorded = (gates.merge.needs for gates in sieve.gates.values() if folds(gates.merge))
+        sieve.needs = functools.reduce(operator.or_, recorded, policy.needs)
     return sieve
 
 

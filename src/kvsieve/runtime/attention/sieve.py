@@ -5,7 +5,7 @@ the first time a model is switched to it. For tensors of any other cache, and fo
 from which nothing was evicted, it *is* the model's SDPA attention. For an evicted cache it reads
 the layer's `RaggedLayout` to see which cache position each padded column holds, builds the
 visibility of every column to every query from it (and from the attention mask `transformers`
-built over the logical sequence), and runs one kernel call per layer (`kvsieve.runtime.attention.kernels`): a
+built over the logical sequence), and runs one kernel call per layer (`kvsieve.kernels.attention`): a
 masked SDPA, or on CUDA in half precision, for decoding steps, torch's fused varlen kernel.
 
 Switching is scoped: `with sieve_attention(model): ...` restores the model's own attention on exit.
@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from ...kernels.attention import masked_sdpa, merged_sdpa, tallied_attention, varlen_attention, varlen_available
 from ...modeling.architecture import layer_windows
 from ...modeling.errors import UnhookableModelError
 from ..compat import attention_implementation_of
 from ..inputs import check_model
 from ..storage.layout import RaggedLayout, active_scope, sieve_scope
 from ..storage.segments import PAD_POSITION
-from .kernels import masked_sdpa, merged_sdpa, tallied_attention, varlen_attention, varlen_available
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

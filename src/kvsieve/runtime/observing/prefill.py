@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from ...kernels.attention import observed_attention
 from ...modeling.errors import UnhookableModelError
 from ...modeling.rotary import Rotary, find_rotary
 from ...selection.errors import PolicyError
 from ...selection.observation import DEFAULT_WINDOW, LayerFacts, Needs, Observation, Statistics
-from ..attention.kernels import observed_attention
 from ..attention.sieve import sieve_attention
 from ..compat import cache_argument
 from ..inputs import check_input_ids, real_tokens

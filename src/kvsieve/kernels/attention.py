@@ -1,5 +1,8 @@
 """Attention over a padded view of ragged per-(row, kv-head) entries: one kernel call per layer.
 
+Shared by both runtimes (`kvsieve.runtime`'s sieve attention and the vLLM plugin's attention of compacted requests);
+it imports nothing of kvsieve.
+
 Every function takes `query [rows, q_heads, q, d]`, the padded `keys`/`values [rows, kv_heads,
 length, d]` a `SievedLayer` returned, and `visible [rows, kv_heads, q, length]` (bool, or an
 additive 0/-inf bias for a decoding step; None when every column is visible to every query),
@@ -25,13 +28,20 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from ..storage.merged import MergedEntries
+
+class MergedColumns(Protocol):
+    """Each (row, kv-head)'s merged entries: `keys`, `values [rows, kv_heads, m, d]` and logit `bias [rows, kv_heads,
+    m]` (-inf for an empty one); the runtime's `MergedEntries`, the vLLM plugin's gathered ones."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    bias: torch.Tensor
+
 
 #: Attention weights (float32) per (row, query head) in one chunk of an observed prefill: the
 #: chunk's query count depends on the context length only, so the number of calls does not grow
@@ -76,7 +86,7 @@ def merged_sdpa(
     keys: torch.Tensor,
     values: torch.Tensor,
     visible: torch.Tensor | None,
-    merged: MergedEntries,
+    merged: MergedColumns,
     scaling: float,
 ) -> torch.Tensor:
     """`masked_sdpa` with each (row, kv-head)'s merged entries as more columns, their logits raised by their biases."""
