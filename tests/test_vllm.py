@@ -27,6 +27,7 @@ vllm = require("vllm", "vllm")
 
 import kvsieve  # noqa: E402
 from kvsieve.harness.models import load_model, model_folder  # noqa: E402
+from kvsieve.runtime.compat import cache_argument  # noqa: E402
 from kvsieve.runtime.observing.prefill import observe_prefill  # noqa: E402
 from kvsieve.selection.scorers import SCORERS  # noqa: E402
 from kvsieve.vllm import BACKEND  # noqa: E402
@@ -218,20 +219,44 @@ def test_same_entries_and_tokens_as_kvsieve(folder, reference, prompts, compacti
     assert ("merge" in policy or policy == "trimkv+global") == (ours.merged > 0)  # the default gates record one
 
 
-def test_a_prompt_prefilled_in_chunks_keeps_the_same_entries(folder, reference, prompts, compactions):
+def chunked_greedy(model, ids: list[int], n: int, policy: str, chunk: int, size: int) -> KvsieveRun:
+    """kvsieve's chunked prefill held at `size` (`compress(..., chunk=)`): the first token from the last chunk's
+    forward over the cache its earlier chunks left, the rest from the cache the whole prompt leaves."""
+    last = (len(ids) - 1) // chunk * chunk
+    before = kvsieve.compress(model, torch.tensor([ids[:last]]), policy, max_tokens=size, chunk=chunk)
+    with torch.no_grad(), kvsieve.sieve_attention(model):
+        logits = model(input_ids=torch.tensor([ids[last:]]), **cache_argument(model, before), use_cache=True).logits
+    first = logits[0, -1].log_softmax(-1)
+    cache = kvsieve.compress(model, torch.tensor([ids]), policy, max_tokens=size, chunk=chunk)
+    kept = [[p.clone() for p in cache.kept_positions(layer)] for layer in cache.full_layers]
+    out = kvsieve.generate(model, first.argmax().view(1, 1), cache=cache, max_new_tokens=n - 1, do_sample=False)
+    return KvsieveRun(out[0].tolist(), first[None], kept, 0)
+
+
+@pytest.mark.parametrize(
+    ("policy", "budget"),
+    [("snapkv", {"rate": 0.75}), ("snapkv+adaptive", {"max_tokens": 150}), ("trimkv+global", {"rate": 0.75})],
+)
+def test_a_prompt_prefilled_in_chunks_is_compacted_after_each(folder, reference, prompts, compactions, policy, budget):
+    """No admission peak: under chunked prefill a request is compacted after every chunk, to the size its budget
+    gives its whole prompt, as `compress(..., chunk=)` holds it; it never holds more than that size plus a chunk."""
     model, _ = reference
-    ids, n = prompts[0], 8
-    ours = kvsieve_greedy(model, ids, n, "snapkv", rate=0.75)
-    chunked = {"max_num_batched_tokens": 256, "enable_chunked_prefill": True}
-    with engine(folder, {"policy": "snapkv", "rate": 0.75}, **chunked) as llm:
-        core = llm.llm_engine
+    ids, n, chunk = prompts[0], 8, 128
+    size = budget.get("max_tokens") or len(kvsieve_greedy(model, ids, 2, "snapkv", **budget).kept[0][0])
+    ours = chunked_greedy(model, ids, n, policy, chunk, size)
+    with engine(folder, {"policy": policy, **budget}, max_num_batched_tokens=chunk, enable_chunked_prefill=True) as llm:
+        sched, core = scheduler(llm), llm.llm_engine
         core.add_request("r", {"prompt_token_ids": ids}, greedy(n))
+        held = []
         while core.has_unfinished_requests():
             outputs = core.step()
+            held.append(sum(block.block_id != 0 for block in request_blocks(sched)))
             done = [out for out in outputs if out.finished]
-    assert [seen for _, seen, _ in compactions] == [len(ids)]  # one compaction, after the third chunk
-    assert_same_decisions(model, ids, "snapkv", compactions[0][2], ours.kept)
+    seen = [seen for _, seen, _ in compactions]
+    assert seen == [256, 384, 512, len(ids)]  # after every chunk that would let the next pass size + chunk
+    assert_same_decisions(model, ids, policy, compactions[-1][2], ours.kept)
     assert list(done[0].outputs[0].token_ids) == ours.tokens
+    assert max(held) <= -(-(size + chunk) // BLOCK) + 1
 
 
 def test_a_prompt_shorter_than_the_window_is_kept_whole(folder, reference, prompts):

@@ -98,9 +98,11 @@ class Metadata:
 
 def test_a_compacted_row_writes_at_its_position_less_the_evicted():
     blocks = torch.tensor([7, 3, 9, 4, 5, 6])  # blocks of 4 tokens; 9 evicted: 2 blocks freed, cache index = p - 9
-    row = RowPlan("r", 0, 2, computed=20, seen=22, blocks=blocks, evicted=9, due=False)
-    fresh = RowPlan("s", 2, 3, computed=5, seen=6, blocks=torch.tensor([1, 2, 0, 0, 0, 0]), evicted=0, due=False)
-    ragged = RowPlan("t", 3, 5, computed=20, seen=22, blocks=blocks, evicted=9, due=False, ragged=True)
+    row = RowPlan("r", 0, 2, computed=20, seen=22, prompt=10, blocks=blocks, evicted=9, due=False)
+    fresh = RowPlan(
+        "s", 2, 3, computed=5, seen=6, prompt=6, blocks=torch.tensor([1, 2, 0, 0, 0, 0]), evicted=0, due=False
+    )
+    ragged = RowPlan("t", 3, 5, computed=20, seen=22, prompt=10, blocks=blocks, evicted=9, due=False, ragged=True)
     plan = StepPlan((row, fresh, ragged), num_layers=2, block_size=4)
     table = torch.stack([blocks, fresh.blocks, blocks])
     metadata = Metadata(table, torch.tensor([22, 6, 22]), torch.tensor([-1, -1, 5, -1, -1]), 22)
@@ -191,7 +193,7 @@ def test_a_request_held_at_a_size_is_observed_as_bounded():
     generates (`max_tokens` with `buffer`): `trimkv` reads its checkpoint's horizon for that case."""
     entries = torch.zeros(1, 8, 4)
     read = ReadLayer(LayerFacts(scaling=0.5, q_heads=2), HeldEntries(entries, entries, torch.arange(8)[None], None))
-    row = RowPlan("r", 0, 8, computed=0, seen=8, blocks=torch.zeros(2), evicted=0, due=True)
+    row = RowPlan("r", 0, 8, computed=0, seen=8, prompt=8, blocks=torch.zeros(2), evicted=0, due=True)
     for entry, bounded in [({"rate": 0.5}, False), ({"max_tokens": 4, "buffer": 2}, True)]:
         settings = PluginSettings.parse({"policy": "trimkv", **entry})
         (observation,) = WorkerSieve(settings, runner=None, held={"r": HeldCache()}).observations(row, {0: read})

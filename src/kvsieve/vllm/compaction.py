@@ -17,6 +17,7 @@ import torch
 
 from ..modeling.gates import RetentionGates
 from ..modeling.rotary import Rotary
+from ..selection.budget import MaxTokens
 from ..selection.observation import LayerFacts, Needs, Observation, Statistics
 from .cells import pack_cells
 from .held import CompactedLayer, HeldCache, RecentMeasures
@@ -58,19 +59,23 @@ class WorkerSieve:
         rows = []
         for i, req_id in enumerate(batch.req_ids[: metadata.num_reqs]):
             computed, prompt = int(batch.num_computed_tokens_cpu[i]), int(batch.num_prompt_tokens[i])
-            if computed == 0:  # a new request, or one resumed after preemption: its cache starts over
-                self.held[req_id] = HeldCache()
-            held = self.held.setdefault(req_id, HeldCache())
             seen = computed + starts[i + 1] - starts[i]
+            held = self.held.get(req_id)
+            if computed == 0 or held is None:  # a new request, or one resumed after preemption: it starts over
+                held = self.held[req_id] = HeldCache(chunked=seen < prompt and self.settings.chunk_policy is not None)
             due = self._due(computed, seen, prompt, held)
             blocks = metadata.block_table_tensor[i]
             rows.append(
-                RowPlan(req_id, starts[i], starts[i + 1], computed, seen, blocks, held.evicted, due, held.ragged)
+                RowPlan(
+                    req_id, starts[i], starts[i + 1], computed, seen, prompt, blocks, held.evicted, due, held.ragged
+                )
             )
         return StepPlan(tuple(rows), num_layers, block_size)
 
     def _due(self, computed: int, seen: int, prompt: int, held: HeldCache) -> bool:
-        """Compact when the prompt's last chunk is in, and, holding a size, whenever `buffer` more came in.
+        """Compact when the prompt's last chunk is in; a prompt prefilled in chunks also after any chunk that would
+        let the next one take it past its size plus a chunk (as `compress(..., chunk=)` evicts before such a
+        chunk); holding a size, whenever `buffer` more came in.
 
         A request that has seen fewer tokens than the policy's window is kept whole (kvsieve.compress would refuse
         to score it).
@@ -79,9 +84,11 @@ class WorkerSieve:
             return False
         if computed < prompt <= seen:
             return True
-        if not self.settings.bounded or computed < prompt:
-            return False
-        return seen - held.evicted >= self.settings.budget.max_tokens + self.settings.buffer
+        stored = held.mean_stored(seen - held.evicted)
+        if computed < prompt:
+            chunk = seen - computed
+            return held.chunked and stored + min(chunk, prompt - seen) > self.settings.prompt_size(prompt) + chunk
+        return self.settings.bounded and stored >= self.settings.budget.max_tokens + self.settings.buffer
 
     def forget(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
@@ -173,7 +180,7 @@ class WorkerSieve:
                 stats=stats,
                 rotary=self.rotary,
                 seen=seen,
-                bounded=self.settings.bounded,
+                bounded=self.settings.bounded or held.chunked,
             )
             out.append(observation)
         return out
@@ -182,8 +189,12 @@ class WorkerSieve:
         """Select with the policy (merging what it evicts, where it merges), pack every (layer, kv-head)'s entries
         into the request's cells (`kvsieve.vllm.cells`) and write them there."""
         observations = self.observations(row, reads)
-        keep = self.settings.policy.select(observations, self.settings.budget)
-        merged = self.settings.policy.merged(observations, keep)
+        held = self.held[row.req_id]
+        policy, budget = self.settings.policy, self.settings.budget
+        if held.chunked:  # as compress(..., chunk=) holds the prompt at its size: evicting again, no merge
+            policy, budget = self.settings.chunk_policy, MaxTokens(self.settings.prompt_size(row.prompt))
+        keep = policy.select(observations, budget)
+        merged = policy.merged(observations, keep)
         layers = [
             compacted_entries(obs, kept, None if merged is None else merged[i])
             for i, (obs, kept) in enumerate(zip(observations, keep, strict=True))
@@ -191,12 +202,13 @@ class WorkerSieve:
         packing = pack_cells([layer.counts for layer in layers])
         if packing.identity and merged is None and packing.rows == row.stored:
             return
-        held, evicted = self.held[row.req_id], row.seen - packing.rows
+        evicted = row.seen - packing.rows
         blocks = plan.blocks_after(row, evicted)
         for obs, layer, cells in zip(observations, layers, packing.layers, strict=True):
             write_cells(self.caches, blocks, cells, layer.keys, layer.values)
             held.compacted[obs.layer_idx] = CompactedLayer(cells, layer.positions, layer.bias)
         held.evicted, held.rows = evicted, packing.rows
+        held.mean = sum(sum(layer.counts) for layer in layers) / sum(len(layer.counts) for layer in layers)
         held.ragged = not packing.identity or merged is not None
         self.evictions[row.req_id] = evicted
 

@@ -54,6 +54,8 @@ class HeldCache:
         rows: cache indices of every lane the compacted entries take.
         ragged: whether kvsieve's attention must read this request (heads keep different counts, or merged
             entries with their biases); False: vLLM's kernel reads it as it reads any request.
+        mean: the compacted entries per lane on average (at most `rows`).
+        chunked: whether its prompt is prefilled in several chunks and compacted after each.
         compacted: per layer index, the compacted entries.
         recent: per layer index, what the last window queries yielded (when the policy reads them).
     """
@@ -61,8 +63,14 @@ class HeldCache:
     evicted: int = 0
     rows: int = 0
     ragged: bool = False
+    mean: float = 0.0
+    chunked: bool = False
     compacted: dict[int, CompactedLayer] = field(default_factory=dict)
     recent: dict[int, RecentMeasures] = field(default_factory=dict)
+
+    def mean_stored(self, stored: int) -> float:
+        """Entries per lane on average when every lane holds `stored` cache indices: what a size budget counts."""
+        return stored if not self.compacted else self.mean + stored - self.rows
 
     def cells(self, layer_idx: int, kv_heads: int, stored: int) -> LayerCells:
         """The cells of a layer's `stored` entries per lane: the compacted ones, then those appended since."""

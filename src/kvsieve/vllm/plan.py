@@ -17,6 +17,7 @@ class RowPlan:
         start, stop: its tokens in the step's flat batch.
         computed: tokens its cache held before the step (true positions `[computed, seen)` come in now).
         seen: tokens its cache holds after the step.
+        prompt: its prompt's tokens.
         blocks: its block-table row as vLLM allocated it (indexed by true position).
         evicted: entries removed from its cache index space before this step.
         due: whether kvsieve compacts it after this step's attention.
@@ -28,6 +29,7 @@ class RowPlan:
     stop: int
     computed: int
     seen: int
+    prompt: int
     blocks: torch.Tensor
     evicted: int
     due: bool

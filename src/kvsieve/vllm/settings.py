@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..selection.budget import Budget, MaxTokens, Rate, check_count, make_budget
+from ..selection.budget import Budget, MaxTokens, Rate, check_count, make_budget, uniform_keep
 from ..selection.errors import PolicyError
 from ..selection.policy import Policy
 from ..selection.spec import make_policy
@@ -95,3 +95,18 @@ class PluginSettings:
     def bounded(self) -> bool:
         """Whether generation is held at the size (`max_tokens` with `buffer`)."""
         return self.buffer is not None
+
+    @property
+    def chunk_policy(self) -> Policy | None:
+        """The policy of a prompt prefilled in several chunks, compacted after each (a cache that evicts again: the
+        merge its gates' checkpoint may record is left out); None for a policy that names a merge, whose prompts
+        are compacted once, after their last chunk."""
+        return None if self.policy.names_merge else self.policy.evicting_again()
+
+    def prompt_size(self, prompt: int) -> int:
+        """Entries per (layer, kv-head) a prompt of `prompt` tokens keeps: `max_tokens`, or what the rate keeps of
+        it (its protected entries and the rate's share of the rest), the size its chunks are compacted to."""
+        if isinstance(self.budget, MaxTokens):
+            return self.budget.max_tokens
+        protected = min(prompt, self.policy.n_sink + self.policy.n_recent)
+        return protected + uniform_keep(prompt - protected, self.budget.rate)
