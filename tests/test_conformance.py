@@ -1,5 +1,5 @@
-"""Every registered scorer (and the query measures it declares), allocator, projection, budget and codec against
-its protocol.
+"""Every registered scorer (and the query measures it declares), allocator, projection, budget and codec, and the
+vLLM plugin's cache layout, against its protocol.
 
 No type checker runs over the package, so these tests hold each implementation to the members its protocol
 declares: every attribute present, every method with the protocol's parameter names in order; and the
@@ -105,3 +105,10 @@ def test_every_codec_conforms_and_stores_what_it_counts(storage, dtype):
     assert (codec is FULL_PRECISION) == (storage == Storage())
     exact = torch.equal(decoded[0], keys) and torch.equal(decoded[1], values)
     assert codec.lossless == exact and (codec.residual == 0) == codec.lossless
+
+
+def test_the_vllm_cpu_layout_conforms():
+    from kvsieve.vllm.adapter import CacheLayout
+    from kvsieve.vllm.layout import CPUCacheLayout
+
+    assert_conforms(CPUCacheLayout(), CacheLayout)

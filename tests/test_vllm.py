@@ -113,15 +113,28 @@ def kept_positions(held) -> dict[int, list[torch.Tensor]]:
     }
 
 
+@dataclass
+class Compaction:
+    """One compaction in a worker: the request, the tokens it had seen, its shared prefix, its block-table row and,
+    per layer, each kv-head's kept positions."""
+
+    req_id: str
+    seen: int
+    shared: int
+    blocks: list[int]
+    kept: dict[int, list[torch.Tensor]]
+
+
 @pytest.fixture
 def compactions(monkeypatch):
-    """Every compaction the worker makes: `(request, tokens seen, {layer: per kv-head kept positions})`."""
+    """Every compaction the worker makes, in order."""
     seen = []
     compact = WorkerSieve._compact
 
     def spy(self, row, plan, reads):
         compact(self, row, plan, reads)
-        seen.append((row.req_id, row.seen, kept_positions(self.held[row.req_id])))
+        held = self.held[row.req_id]
+        seen.append(Compaction(row.req_id, row.seen, held.shared, row.blocks.tolist(), kept_positions(held)))
 
     monkeypatch.setattr(WorkerSieve, "_compact", spy)
     return seen
@@ -160,7 +173,7 @@ def kvsieve_greedy(model, ids: list[int], n: int, policy: str, **budget) -> Kvsi
     return KvsieveRun(out.sequences[0].tolist(), steps, kept, held_merged)
 
 
-def assert_same_decisions(model, ids: list[int], policy: str, ours: dict, theirs: list[list[torch.Tensor]]) -> None:
+def assert_same_decisions(model, ids: list[int], policy: str, ours: dict, theirs: list[list[torch.Tensor]]) -> int:
     """Each (layer, kv-head) keeps the same entries, but for near ties: an entry one side keeps and the other
     evicts scores (in kvsieve, on transformers' keys) within 1e-4 of that head's lowest kept evictable score.
     The keys of equal tokens in layer 0 have equal norms (RoPE keeps norms), which rounding splits either way."""
@@ -178,6 +191,7 @@ def assert_same_decisions(model, ids: list[int], policy: str, ours: dict, theirs
             for position in mine ^ set(kept.tolist()):
                 assert abs(scores[head, position] - boundary) <= 1e-4 * boundary.abs().clamp(min=1)
     assert differ <= 3, f"{differ} of {len(theirs) * len(theirs[0])} (layer, kv-head) selections differ"
+    return differ
 
 
 def test_entry_point_loads_the_plugin_in_a_fresh_process():
@@ -205,18 +219,19 @@ def test_same_entries_and_tokens_as_kvsieve(folder, reference, prompts, compacti
     with engine(folder, {"policy": policy, "rate": 0.75}) as llm:
         (out,) = generate(llm, [ids], n, logprobs=5)
         freed = scheduler(llm).kvsieve_freed
-    (_, seen, vllm_kept), *rest = compactions
-    assert not rest and seen == len(ids)
-    assert_same_decisions(model, ids, policy, vllm_kept, ours.kept)
+    (compaction,) = compactions
+    assert compaction.seen == len(ids)
+    differ = assert_same_decisions(model, ids, policy, compaction.kept, ours.kept)
     assert list(out.token_ids) == ours.tokens
+    tolerance = 1e-2 if differ else 2e-3  # a near tie kept the other way moves the log-probabilities a little
     for step, top in enumerate(out.logprobs):
         for token, logprob in top.items():
-            assert logprob.logprob == pytest.approx(float(ours.logprobs[step, token]), abs=2e-3)
+            assert logprob.logprob == pytest.approx(float(ours.logprobs[step, token]), abs=tolerance)
     held = sum(len(head) for layer in ours.kept for head in layer) + ours.merged
     lanes = len(ours.kept) * len(ours.kept[0])
     rows = -(-held // lanes)  # every lane holds the mean count of kvsieve's entries (merged ones too), not the largest
     assert freed == (len(ids) - rows) // BLOCK > 0
-    assert ("merge" in policy or policy == "trimkv+global") == (ours.merged > 0)  # the default gates record one
+    assert ("merge=" in policy or policy.startswith("trimkv")) == (ours.merged > 0)  # the default gates record one
 
 
 def chunked_greedy(model, ids: list[int], n: int, policy: str, chunk: int, size: int) -> KvsieveRun:
@@ -252,11 +267,37 @@ def test_a_prompt_prefilled_in_chunks_is_compacted_after_each(folder, reference,
             outputs = core.step()
             held.append(sum(block.block_id != 0 for block in request_blocks(sched)))
             done = [out for out in outputs if out.finished]
-    seen = [seen for _, seen, _ in compactions]
-    assert seen == [256, 384, 512, len(ids)]  # after every chunk that would let the next pass size + chunk
-    assert_same_decisions(model, ids, policy, compactions[-1][2], ours.kept)
+    assert [c.seen for c in compactions] == [256, 384, 512, len(ids)]  # when the next chunk would pass size + chunk
+    assert_same_decisions(model, ids, policy, compactions[-1].kept, ours.kept)
     assert list(done[0].outputs[0].token_ids) == ours.tokens
     assert max(held) <= -(-(size + chunk) // BLOCK) + 1
+
+
+def test_a_shared_prefix_is_cached_once_and_never_rewritten(folder, reference, compactions):
+    """Prefix caching on (vLLM's default): four requests that begin with the same 384-token instruction (three
+    blocks) hold those blocks once; each compacts its own part only (the prefix protected, kept where it is) and
+    gives the tokens kvsieve gives with that prefix protected."""
+    from kvsieve.harness.data.haystack import essay_words
+
+    model, tokenizer = reference
+    words = essay_words()
+    instruction = tokenizer(" ".join(words[:400])).input_ids[:384]
+    documents = [
+        tokenizer(" " + " ".join(words[start : start + 260])).input_ids[:200] for start in range(1000, 5000, 1000)
+    ]
+    prompts = [instruction + document for document in documents]
+    with engine(folder, {"policy": "snapkv", "rate": 0.75}, blocks=32) as llm:
+        outputs = generate(llm, prompts, 8)
+    assert sorted(c.seen for c in compactions) == [len(ids) for ids in prompts]
+    assert len({tuple(c.blocks[:3]) for c in compactions}) == 1  # the instruction's blocks, allocated once
+    assert all(c.shared == 384 for c in compactions)
+    for c in compactions:
+        assert all(set(range(384)) <= set(head.tolist()) for layer in c.kept.values() for head in layer)
+    protect = torch.arange(384)
+    for ids, out in zip(prompts, outputs, strict=True):
+        assert (
+            list(out.token_ids) == kvsieve_greedy(model, ids, 8, "snapkv", rate=0.75, protect_positions=protect).tokens
+        )
 
 
 def test_a_prompt_shorter_than_the_window_is_kept_whole(folder, reference, prompts):
@@ -302,7 +343,7 @@ def test_bounded_generation_holds_its_size(folder, reference, prompts, compactio
             held.append(sum(block.block_id != 0 for block in request_blocks(sched)))
             done = [out for out in outputs if out.finished]
     assert len(compactions) == 1 + (n - 1) // buffer  # the prompt's, then one per `buffer` tokens fed
-    assert all(len(head) == size for _, _, kept in compactions for layer in kept.values() for head in layer)
+    assert all(len(head) == size for c in compactions for layer in c.kept.values() for head in layer)
     assert 0 < max(held) <= -(-(size + buffer) // BLOCK) + 1
     assert list(done[0].outputs[0].token_ids) == tokens
 
@@ -324,17 +365,86 @@ def test_concurrent_requests_stay_independent(folder, prompts):
 SERVER = "vllm.entrypoints.openai.api_server"
 
 
-def test_preempted_requests_complete(folder, prompts, tmp_path):
+def test_preempted_requests_complete(folder, prompts, tmp_path, compactions):
     """Three requests whose caches outgrow 7 blocks while generating: vLLM preempts, each prefills again (its
-    prompt and what it generated, compacted again) and finishes."""
+    prompt and what it generated, compacted again, once) and finishes."""
     trace = tmp_path / "trace.jsonl"
     three = [*prompts, prompts[0][100:]]
     with engine(folder, {"policy": "snapkv", "rate": 0.75, "trace": str(trace)}, blocks=8, max_model_len=896) as llm:
         outputs = generate(llm, three, 280)
+        sched = scheduler(llm)
+        assert not sched.kvsieve_hits and not sched.kvsieve_shared  # nothing left of the finished requests
     steps = [json.loads(line) for line in trace.read_text().splitlines()]
-    assert sum(step["preempted"] for step in steps) >= 1
+    preempted = sum(step["preempted"] for step in steps)
+    assert preempted >= 1
+    assert len(compactions) == 3 + preempted  # each prefill compacted once: no loop
     assert [len(out.token_ids) for out in outputs] == [280] * 3
     assert steps[-1]["blocks_in_use"] == 0
+
+
+def run_until_done(llm, steps: int = 1000) -> list:
+    """Step the engine until no request is left; the finished outputs."""
+    core, done = llm.llm_engine, []
+    for _ in range(steps):
+        if not core.has_unfinished_requests():
+            return done
+        done += [out for out in core.step() if out.finished]
+    raise AssertionError(f"requests still unfinished after {steps} steps")
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "snapkv+global", "trimkv+global"])
+def test_requests_aborted_or_finishing_while_compacted_free_everything(folder, prompts, policy):
+    """Aborted during the prefill (chunked) and during decoding, finishing in the step that compacts it
+    (`max_tokens=1`): every block comes back, no state is left, and the next request runs as alone."""
+    chunked = {"max_num_batched_tokens": 128, "enable_chunked_prefill": True}
+    with engine(folder, {"policy": policy, "rate": 0.75}, **chunked) as llm:
+        (alone,) = generate(llm, [prompts[1]], 16)
+    with engine(folder, {"policy": policy, "rate": 0.75}, **chunked) as llm:
+        sched, core = scheduler(llm), llm.llm_engine
+        pool = sched.kv_cache_manager.block_pool
+        free = pool.get_num_free_blocks()
+        core.add_request("prefilling", {"prompt_token_ids": prompts[0]}, greedy(32))
+        core.step()  # its first chunk
+        core.abort_request(["prefilling"])
+        core.add_request("decoding", {"prompt_token_ids": prompts[0]}, greedy(64))
+        for _ in range(8):  # five chunks, then decoding
+            core.step()
+        core.abort_request(["decoding"])
+        core.add_request("one token", {"prompt_token_ids": prompts[0]}, greedy(1))
+        (one,) = run_until_done(llm)
+        assert len(one.outputs[0].token_ids) == 1
+        core.add_request("after", {"prompt_token_ids": prompts[1]}, greedy(16))
+        (after,) = run_until_done(llm)
+        run_until_done(llm)
+        assert pool.get_num_free_blocks() == free
+        assert not sched.kvsieve_hits and not sched.kvsieve_shared
+    assert list(after.outputs[0].token_ids) == list(alone.token_ids)
+
+
+def test_parallel_samples_share_the_prompt_blocks(folder, prompts, compactions):
+    """`n=2`: the two samples find the prompt's full blocks in the prefix cache of each other, keep them whole
+    (shared) and compact only what follows; both finish."""
+    ids = prompts[0]
+    with engine(folder, {"policy": "snapkv", "rate": 0.75}) as llm:
+        (out,) = llm.generate(
+            [{"prompt_token_ids": ids}], vllm.SamplingParams(n=2, max_tokens=16, seed=0), use_tqdm=False
+        )
+    assert [len(sample.token_ids) for sample in out.outputs] == [16, 16]
+    full = len(ids) // BLOCK * BLOCK
+    assert [c.shared for c in compactions] == [full, full]
+    assert compactions[0].blocks[: full // BLOCK] == compactions[1].blocks[: full // BLOCK]
+
+
+def test_a_prompt_longer_than_the_engine_holds_is_vllms_error_alone(folder, prompts):
+    from vllm.exceptions import VLLMValidationError
+
+    with engine(folder, {"policy": "snapkv", "rate": 0.75}, blocks=8, max_model_len=896) as llm:
+        core = llm.llm_engine
+        with pytest.raises(VLLMValidationError, match="maximum context length is 896 tokens"):
+            core.add_request("long", {"prompt_token_ids": (prompts[0] * 2)[:1000]}, greedy(4))
+        core.add_request("short", {"prompt_token_ids": prompts[1]}, greedy(4))
+        (done,) = run_until_done(llm)
+    assert len(done.outputs[0].token_ids) == 4
 
 
 def free_port() -> int:
@@ -380,13 +490,11 @@ def test_openai_server_answers_under_eviction(folder, tmp_path):
 @pytest.mark.parametrize(
     ("settings", "kwargs", "message"),
     [
-        ({"policy": "h2o"}, {}, "attention every entry received"),
         ({"policy": "kvzip"}, {}, "repeats its prompt"),
         ({"policy": "snapkv:merge=window", "max_tokens": 64, "buffer": 8}, {}, "cannot keep it true"),
         ({"policy": "nope"}, {}, "nope"),
         ({"policy": "snapkv", "rate": 0.5, "max_tokens": 64}, {}, "rate and max_tokens"),
         ({"policy": "snapkv", "size": 64}, {}, "does not know ['size']"),
-        ({"policy": "snapkv"}, {"enable_prefix_caching": True}, "prefix caching"),
     ],
 )
 def test_bad_settings_fail_when_the_engine_starts(folder, settings, kwargs, message):

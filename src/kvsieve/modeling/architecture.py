@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from torch import nn
+from torch import Tensor, nn
 
 from .errors import UnhookableModelError
 
@@ -85,6 +85,20 @@ def attention_module(layer: nn.Module) -> nn.Module:
     raise UnhookableModelError(
         f"{type(layer).__name__} has no attention module kvsieve recognises ({', '.join(ATTENTION_ATTRIBUTES)})"
     )
+
+
+#: What `transformers` calls an attention module's output projection (GPT-NeoX: `dense`).
+OUTPUT_PROJECTIONS = ("o_proj", "dense")
+
+
+def output_projection(module: nn.Module) -> Tensor:
+    """The attention output projection weight `[hidden, q_heads * head_dim]`, or a clear error."""
+    for name in OUTPUT_PROJECTIONS:
+        projection = getattr(module, name, None)
+        if isinstance(projection, nn.Linear):
+            return projection.weight.detach()
+    names = " or ".join(OUTPUT_PROJECTIONS)
+    raise ValueError(f"{type(module).__name__} has no output projection ({names}), which the scorer needs")
 
 
 def kv_geometry(model: PreTrainedModel) -> tuple[int, int]:

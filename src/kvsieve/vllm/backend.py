@@ -50,10 +50,12 @@ class SieveAttentionImpl(CPUAttentionBackendImpl):
         step = getattr(attn_metadata, "kvsieve", None)
         if step is not None:
             sieve, plan = step
+            layer_idx = layer_index(layer.layer_name)
             if self.kvsieve_facts is None:
-                self.kvsieve_facts = LayerFacts(scaling=self.scale, q_heads=self.num_heads, gates=sieve.gates)
-            sieve.caches[layer_index(layer.layer_name)] = kv_cache
-            sieve.attend(layer_index(layer.layer_name), self.kvsieve_facts, query, output, plan)
+                weight = sieve.output_weights.get(layer_idx)
+                self.kvsieve_facts = LayerFacts(self.scale, self.num_heads, output_weight=weight, gates=sieve.gates)
+            sieve.caches[layer_idx] = kv_cache
+            sieve.attend(layer_idx, self.kvsieve_facts, query, output, plan)
             sieve.after_attention(layer, self.kv_cache_dtype, self.kvsieve_facts, query, output, kv_cache, plan)
         return output
 

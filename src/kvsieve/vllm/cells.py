@@ -59,6 +59,15 @@ def home_cells(layer: int, kv_heads: int, count: int) -> LayerCells:
     return LayerCells(torch.full_like(index, layer), heads, index, torch.full((kv_heads,), count))
 
 
+def after_prefix(cells: LayerCells, layer_idx: int, shared: int) -> LayerCells:
+    """Cache indices `[0, shared)` of every kv-head's own lane (a shared prefix, read where it is), then `cells`."""
+    prefix = home_cells(layer_idx, cells.count.numel(), shared)
+    layer, head, index = (
+        torch.cat([getattr(prefix, name), getattr(cells, name)], dim=1) for name in ("layer", "head", "index")
+    )
+    return LayerCells(layer, head, index, cells.count + shared)
+
+
 def append_tail(compacted: torch.Tensor, count: torch.Tensor, tail: torch.Tensor, fill: float) -> torch.Tensor:
     """`[heads, max(count) + t]`: each head's first `count[h]` of `compacted [heads, w]`, then its row of `tail
     [heads, t]`, then `fill`."""
@@ -86,8 +95,9 @@ class CellPacking:
         return all(bool((cells.count == self.rows).all()) for cells in self.layers)
 
 
-def pack_cells(counts: Sequence[Sequence[int]]) -> CellPacking:
-    """The packing of lanes that keep `counts[layer][kv_head]` entries into `ceil(sum / lanes)` cache indices each."""
+def pack_cells(counts: Sequence[Sequence[int]], start: int = 0) -> CellPacking:
+    """The packing of lanes that keep `counts[layer][kv_head]` entries into `ceil(sum / lanes)` cache indices each,
+    from cache index `start` on (a shared prefix before it)."""
     num_layers, heads = len(counts), len(counts[0])
     n = torch.tensor(counts, dtype=torch.long)  # [layers, heads]
     rows = -(-int(n.sum()) // n.numel())
@@ -111,7 +121,7 @@ def pack_cells(counts: Sequence[Sequence[int]]) -> CellPacking:
             if extra:
                 more = torch.cat(extra, dim=0).T  # [3, n - rows]
                 cells[:, head, kept : kept + more.shape[1]] = more
-        layers.append(LayerCells(cells[0], cells[1], cells[2], n[layer].clone()))
+        layers.append(LayerCells(cells[0], cells[1], cells[2] + start, n[layer].clone()))
     return CellPacking(rows, tuple(layers))
 
 

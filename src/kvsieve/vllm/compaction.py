@@ -18,12 +18,12 @@ import torch
 from ..modeling.gates import RetentionGates
 from ..modeling.rotary import Rotary
 from ..selection.budget import MaxTokens
-from ..selection.observation import LayerFacts, Needs, Observation, Statistics
-from .cells import pack_cells
+from ..selection.observation import QUERIES, LayerFacts, Needs, Observation, Statistics
+from .adapter import CacheLayout
+from .cells import LayerCells, after_prefix, pack_cells
 from .held import CompactedLayer, HeldCache, RecentMeasures
-from .layout import check_layout, read_cells, write_cells
 from .plan import RowPlan, StepPlan
-from .ragged import HeldEntries, compacted_entries, ragged_attention
+from .ragged import CompactedEntries, HeldEntries, compacted_entries, ragged_attention, window_outputs
 from .settings import PluginSettings
 
 
@@ -42,13 +42,16 @@ class WorkerSieve:
 
     settings: PluginSettings
     runner: object
+    layout: CacheLayout  # the backend's cache, cell by cell (`kvsieve.vllm.adapter`)
     gates: dict[str, RetentionGates] = field(default_factory=dict)
     rotary: Rotary | None = None
     needs: Needs = field(default_factory=Needs)
+    output_weights: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> W_o, when a scorer reads it
     caches: dict[int, torch.Tensor] = field(default_factory=dict)
     held: dict[str, HeldCache] = field(default_factory=dict)
+    shared: dict[str, int] = field(default_factory=dict)  # request -> shared prefix, from this step's scheduler
     reads: dict[str, dict[int, ReadLayer]] = field(default_factory=dict)
-    evictions: dict[str, int] = field(default_factory=dict)
+    evictions: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     def plan(self, metadata: object, block_size: int, num_layers: int) -> StepPlan | None:
         """The step's rows (None for a step of no known requests: vLLM's warm-up)."""
@@ -63,13 +66,23 @@ class WorkerSieve:
             held = self.held.get(req_id)
             if computed == 0 or held is None:  # a new request, or one resumed after preemption: it starts over
                 held = self.held[req_id] = HeldCache(chunked=seen < prompt and self.settings.chunk_policy is not None)
-            due = self._due(computed, seen, prompt, held)
-            blocks = metadata.block_table_tensor[i]
-            rows.append(
-                RowPlan(
-                    req_id, starts[i], starts[i + 1], computed, seen, prompt, blocks, held.evicted, due, held.ragged
-                )
+            if not held.compacted:  # fixed at the first compaction
+                held.shared = self.shared.get(req_id, 0)
+            row = RowPlan(
+                req_id,
+                starts[i],
+                starts[i + 1],
+                computed,
+                seen,
+                prompt,
+                blocks=metadata.block_table_tensor[i],
+                evicted=held.evicted,
+                due=self._due(computed, seen, prompt, held),
+                ragged=held.ragged,
+                shared=held.shared,
+                tally=self.needs.accumulated and (self.settings.bounded or computed < prompt or not held.compacted),
             )
+            rows.append(row)
         return StepPlan(tuple(rows), num_layers, block_size)
 
     def _due(self, computed: int, seen: int, prompt: int, held: HeldCache) -> bool:
@@ -87,28 +100,35 @@ class WorkerSieve:
         stored = held.mean_stored(seen - held.evicted)
         if computed < prompt:
             chunk = seen - computed
-            return held.chunked and stored + min(chunk, prompt - seen) > self.settings.prompt_size(prompt) + chunk
+            size = self.settings.prompt_size(prompt, held.shared)
+            return held.chunked and stored + min(chunk, prompt - seen) > size + chunk
         return self.settings.bounded and stored >= self.settings.budget.max_tokens + self.settings.buffer
 
     def forget(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self.held.pop(req_id, None)
 
-    def take_evictions(self) -> dict[str, int]:
-        """`{request: entries evicted from its front}` for the requests compacted since the last call."""
+    def take_evictions(self) -> dict[str, tuple[int, float]]:
+        """`{request: (entries evicted behind its shared prefix, entries per lane on average)}` for the requests
+        compacted since the last call."""
         evictions, self.evictions = self.evictions, {}
         return evictions
 
     def attend(
         self, layer_idx: int, facts: LayerFacts, query: torch.Tensor, output: torch.Tensor, plan: StepPlan
     ) -> None:
-        """Write into `output` the attention of every ragged row of the step (vLLM's kernel cannot read its cells)."""
+        """Write into `output` the attention of every row of the step that kvsieve attends itself: a ragged one (vLLM's
+        kernel cannot read its cells) and one whose entries' received attention the policy reads (tallied)."""
         for row in plan.rows:
-            if row.ragged:
-                entries = self._entries(layer_idx, row, plan)
-                bias = self.held[row.req_id].bias(layer_idx, entries.keys.shape[0], row.stored)
-                attended = ragged_attention(query[row.start : row.stop], entries, bias, row.positions, facts)
+            if row.ragged or row.tally:
+                held, entries = self.held[row.req_id], self._entries(layer_idx, row, plan)
+                bias = held.bias(layer_idx, entries.keys.shape[0], row.stored)
+                attended, received = ragged_attention(
+                    query[row.start : row.stop], entries, bias, row.positions, facts, tally=row.tally
+                )
                 output[row.start : row.stop] = attended.reshape(output[row.start : row.stop].shape)
+                if received is not None:
+                    held.add_received(layer_idx, entries, received)
 
     def after_attention(
         self,
@@ -132,7 +152,7 @@ class WorkerSieve:
                 recent = held.recent.setdefault(layer_idx, RecentMeasures(needs.window))
                 self._record(recent, row, facts.q_heads, query, output)
             if row.due:
-                check_layout(layer, kv_cache_dtype, kv_cache)
+                self.layout.check(layer, kv_cache_dtype, kv_cache)
                 read = ReadLayer(facts, self._entries(layer_idx, row, plan))
                 self.reads.setdefault(row.req_id, {})[layer_idx] = read
         if plan.due and all(len(self.reads.get(row.req_id, ())) == plan.num_layers for row in plan.due):
@@ -143,7 +163,7 @@ class WorkerSieve:
         """A row's entries in one layer after the step's cache write, padded per kv-head."""
         held, kv_heads = self.held[row.req_id], self.caches[layer_idx].shape[1]
         cells = held.cells(layer_idx, kv_heads, row.stored)
-        keys, values = read_cells(self.caches, plan.blocks_after(row, row.evicted), cells)
+        keys, values = self.layout.read(self.caches, plan.blocks_after(row, row.evicted), cells)
         valid = cells.valid
         return HeldEntries(
             keys, values, held.positions(layer_idx, kv_heads, row.stored), None if bool(valid.all()) else valid
@@ -164,11 +184,14 @@ class WorkerSieve:
         seen = None if not held.evicted else row.seen
         out = []
         for layer_idx, read in sorted(reads.items()):
-            stats = Statistics()
-            recent = held.recent.get(layer_idx)
-            if recent is not None:
-                stats = Statistics(window=dict(recent.measured), window_positions=recent.positions)
             entries = read.entries
+            recent = held.recent.get(layer_idx)
+            window = {} if recent is None else dict(recent.measured)
+            stats = Statistics(
+                window=window,
+                window_positions=None if recent is None else recent.positions,
+                received=held.received_at(layer_idx, entries) if self.needs.accumulated else None,
+            )
             observation = Observation(
                 layer_idx=layer_idx,
                 num_layers=num_layers,
@@ -186,31 +209,61 @@ class WorkerSieve:
         return out
 
     def _compact(self, row: RowPlan, plan: StepPlan, reads: dict[int, ReadLayer]) -> None:
-        """Select with the policy (merging what it evicts, where it merges), pack every (layer, kv-head)'s entries
-        into the request's cells (`kvsieve.vllm.cells`) and write them there."""
+        """Select with the policy (merging what it evicts, where it merges; the shared prefix protected), pack every
+        (layer, kv-head)'s entries behind that prefix into the request's cells (`kvsieve.vllm.cells`), write them."""
         observations = self.observations(row, reads)
         held = self.held[row.req_id]
         policy, budget = self.settings.policy, self.settings.budget
         if held.chunked:  # as compress(..., chunk=) holds the prompt at its size: evicting again, no merge
-            policy, budget = self.settings.chunk_policy, MaxTokens(self.settings.prompt_size(row.prompt))
-        keep = policy.select(observations, budget)
+            policy, budget = self.settings.chunk_policy, MaxTokens(self.settings.prompt_size(row.prompt, held.shared))
+        protect = torch.arange(held.shared) if held.shared else None
+        keep = policy.select(observations, budget, protect_positions=protect)
         merged = policy.merged(observations, keep)
         layers = [
-            compacted_entries(obs, kept, None if merged is None else merged[i])
+            compacted_entries(obs, kept, None if merged is None else merged[i], held.shared)
             for i, (obs, kept) in enumerate(zip(observations, keep, strict=True))
         ]
-        packing = pack_cells([layer.counts for layer in layers])
-        if packing.identity and merged is None and packing.rows == row.stored:
+        packing = pack_cells([layer.counts for layer in layers], start=held.shared)
+        if packing.identity and merged is None and held.shared + packing.rows == row.stored:
             return
-        evicted = row.seen - packing.rows
+        evicted = row.seen - held.shared - packing.rows
         blocks = plan.blocks_after(row, evicted)
         for obs, layer, cells in zip(observations, layers, packing.layers, strict=True):
-            write_cells(self.caches, blocks, cells, layer.keys, layer.values)
-            held.compacted[obs.layer_idx] = CompactedLayer(cells, layer.positions, layer.bias)
-        held.evicted, held.rows = evicted, packing.rows
-        held.mean = sum(sum(layer.counts) for layer in layers) / sum(len(layer.counts) for layer in layers)
+            self.layout.write(self.caches, blocks, cells, layer.keys, layer.values)
+            held.compacted[obs.layer_idx] = compacted_layer(obs.layer_idx, cells, layer, held.shared)
+        held.evicted, held.rows = evicted, held.shared + packing.rows
+        lanes = sum(len(layer.counts) for layer in layers)
+        held.mean = held.shared + sum(sum(layer.counts) for layer in layers) / lanes
         held.ragged = not packing.identity or merged is not None
-        self.evictions[row.req_id] = evicted
+        self.evictions[row.req_id] = (evicted, held.mean)
+        if any(measure.reads_output for measure in self.needs.measures):
+            self._refresh(held, observations, keep, reads)
+
+    def _refresh(
+        self,
+        held: HeldCache,
+        observations: list[Observation],
+        keep: list[list[torch.Tensor]],
+        reads: dict[int, ReadLayer],
+    ) -> None:
+        """Measure again what reads the attention output, on each window query's output over the entries kept."""
+        stale = [measure for measure in self.needs.measures if measure.reads_output]
+        for obs, kept in zip(observations, keep, strict=True):
+            recent = held.recent[obs.layer_idx]
+            queries = recent.measured[QUERIES.name]
+            outputs = window_outputs(obs, kept, queries, recent.positions, reads[obs.layer_idx].facts)
+            for measure in stale:
+                recent.measured[measure.name] = measure.measure(queries[None], outputs[None])[0]
+
+
+def compacted_layer(layer_idx: int, cells: LayerCells, entries: CompactedEntries, shared: int) -> CompactedLayer:
+    """What a request holds of a layer after a compaction: its shared prefix where it is, then its packed entries."""
+    if not shared:
+        return CompactedLayer(cells, entries.positions, entries.bias)
+    heads = entries.positions.shape[0]
+    positions = torch.cat([torch.arange(shared).expand(heads, -1), entries.positions], dim=1)
+    bias = None if entries.bias is None else torch.cat([torch.zeros(heads, shared), entries.bias], dim=1)
+    return CompactedLayer(after_prefix(cells, layer_idx, shared), positions, bias)
 
 
 @functools.cache

@@ -20,16 +20,10 @@ def check_version(version: str) -> None:
 
 
 def prepare_engine_args(args: object, version: str) -> None:
-    """Check the kvsieve settings of vLLM `EngineArgs` and fill in what the plugin needs: its scheduler and worker, and
-    prefix caching off (a compacted block must never be shared as a prefix)."""
+    """Check the kvsieve settings of vLLM `EngineArgs` and fill in what the plugin needs: its scheduler and worker.
+    Prefix caching is left as asked (vLLM's default: on); the scheduler keeps it true (`SieveScheduler`)."""
     PluginSettings.parse(args.additional_config[CONFIG_KEY])
     check_version(version)
-    if args.enable_prefix_caching:
-        raise PluginConfigError(
-            "kvsieve compacts a request's blocks in place, so they can never be shared as a cached prefix: "
-            "turn prefix caching off (--no-enable-prefix-caching, enable_prefix_caching=False) or leave it unset"
-        )
-    args.enable_prefix_caching = False
     for name, ours, default in (("scheduler_cls", SCHEDULER, None), ("worker_cls", WORKER, "auto")):
         given = getattr(args, name)
         if given in (default, ours):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cells import LayerCells, append_tail, home_cells
+from .ragged import HeldEntries
 
 
 @dataclass
@@ -55,18 +56,53 @@ class HeldCache:
         ragged: whether kvsieve's attention must read this request (heads keep different counts, or merged
             entries with their biases); False: vLLM's kernel reads it as it reads any request.
         mean: the compacted entries per lane on average (at most `rows`).
+        shared: the positions `[0, shared)` (whole blocks) that are, or may become, another request's cached
+            prefix: never rewritten, kept whole in every lane (protected), read where they are.
         chunked: whether its prompt is prefilled in several chunks and compacted after each.
         compacted: per layer index, the compacted entries.
         recent: per layer index, what the last window queries yielded (when the policy reads them).
+        received: per layer index, `[q_heads, positions]` the attention every position's entry received from every
+            query so far (when the policy reads it); an evicted position's is never read again.
     """
 
     evicted: int = 0
     rows: int = 0
     ragged: bool = False
     mean: float = 0.0
+    shared: int = 0
     chunked: bool = False
     compacted: dict[int, CompactedLayer] = field(default_factory=dict)
     recent: dict[int, RecentMeasures] = field(default_factory=dict)
+    received: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def add_received(self, layer_idx: int, entries: HeldEntries, received: torch.Tensor) -> None:
+        """Add the attention `entries` (padded per kv-head) received, `[kv_heads, width, group]`, at their positions."""
+        kv_heads, width, group = received.shape
+        per_query_head = received.permute(0, 2, 1).reshape(kv_heads * group, width)
+        positions, real = self._per_query_head(entries, group)
+        needed = int(positions.max()) + 1
+        held = self.received.get(layer_idx)
+        if held is None or held.shape[1] < needed:
+            grown = torch.zeros(kv_heads * group, max(needed, 2 * (0 if held is None else held.shape[1])))
+            if held is not None:
+                grown[:, : held.shape[1]] = held
+            held = self.received[layer_idx] = grown
+        held.scatter_add_(1, positions, per_query_head.float() * real)
+
+    def received_at(self, layer_idx: int, entries: HeldEntries) -> torch.Tensor:
+        """`[q_heads, width]` the attention `entries` received so far (0 for padding)."""
+        held = self.received[layer_idx]
+        positions, real = self._per_query_head(entries, held.shape[0] // entries.positions.shape[0])
+        return held.gather(1, positions) * real
+
+    @staticmethod
+    def _per_query_head(entries: HeldEntries, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entries' positions per query head (padding at 0) and which of them are real entries."""
+        real = entries.positions >= 0
+        if entries.valid is not None:
+            real &= entries.valid
+        positions = entries.positions.clamp(min=0).repeat_interleave(group, dim=0)
+        return positions, real.repeat_interleave(group, dim=0).float()
 
     def mean_stored(self, stored: int) -> float:
         """Entries per lane on average when every lane holds `stored` cache indices: what a size budget counts."""

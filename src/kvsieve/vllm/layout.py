@@ -141,3 +141,25 @@ def check_layout(layer: torch.nn.Module, kv_cache_dtype: str, kv_cache: torch.Te
             f"vLLM's CPU kernel of ISA {layer.isa!r} stores entries in a layout kvsieve does not read (probe failed)"
         )
     _CHECKED.add(key)
+
+
+class CPUCacheLayout:
+    """The `CacheLayout` of vLLM's CPU backend (`kvsieve.vllm.adapter`)."""
+
+    def check(self, layer: torch.nn.Module, kv_cache_dtype: str, kv_cache: torch.Tensor) -> None:
+        check_layout(layer, kv_cache_dtype, kv_cache)
+
+    def read(
+        self, caches: Mapping[int, torch.Tensor], blocks: torch.Tensor, cells: LayerCells
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return read_cells(caches, blocks, cells)
+
+    def write(
+        self,
+        caches: Mapping[int, torch.Tensor],
+        blocks: torch.Tensor,
+        cells: LayerCells,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None:
+        write_cells(caches, blocks, cells, keys, values)

@@ -22,6 +22,8 @@ class RowPlan:
         evicted: entries removed from its cache index space before this step.
         due: whether kvsieve compacts it after this step's attention.
         ragged: whether kvsieve's attention reads it this step (its compacted entries are not all at home).
+        shared: its first positions that are another request's prefix (whole blocks), never rewritten or freed.
+        tally: whether kvsieve attends it itself this step to add up the attention its entries receive.
     """
 
     req_id: str
@@ -34,6 +36,8 @@ class RowPlan:
     evicted: int
     due: bool
     ragged: bool = False
+    shared: int = 0
+    tally: bool = False
 
     @property
     def positions(self) -> torch.Tensor:
@@ -60,21 +64,21 @@ class StepPlan:
 
     def remap(self, metadata: object) -> object:
         """vLLM's common attention metadata with each compacted row's tokens written at cache index `p - evicted`:
-        its block-table row shifted past the freed blocks, its slots rewritten in place (the KV write reads the same
-        tensor), its attention length cut by `evicted`. A ragged row's length is cut to its query: kvsieve's
-        attention overwrites what vLLM's kernel computes for it, so the kernel reads no more than it must."""
+        its block-table row without the freed blocks (`blocks_after`), its slots rewritten in place (the KV write
+        reads the same tensor), its attention length cut by `evicted`. A ragged row's length is cut to its query:
+        kvsieve's attention overwrites what vLLM's kernel computes for it, so the kernel reads no more than it must."""
         if not any(row.evicted for row in self.rows):
             return metadata
         table, seq_lens = metadata.block_table_tensor.clone(), metadata.seq_lens.clone()
         for i, row in enumerate(self.rows):
             if not row.evicted:
                 continue
-            shift = row.evicted // self.block_size
-            table[i, : table.shape[1] - shift] = row.blocks[shift:]
+            blocks = self.blocks_after(row, row.evicted)
+            table[i, : len(blocks)] = blocks
             cache_index = row.positions - row.evicted
             slots = table[i, cache_index // self.block_size].long() * self.block_size + cache_index % self.block_size
             metadata.slot_mapping[row.start : row.stop] = slots.to(metadata.slot_mapping.dtype)
-            seq_lens[i] = row.stop - row.start if row.ragged else seq_lens[i] - row.evicted
+            seq_lens[i] = row.stop - row.start if row.ragged or row.tally else seq_lens[i] - row.evicted
         return dataclasses.replace(
             metadata,
             block_table_tensor=table,
@@ -83,5 +87,7 @@ class StepPlan:
         )
 
     def blocks_after(self, row: RowPlan, evicted: int) -> torch.Tensor:
-        """`row`'s blocks in cache-index order once `evicted` entries are gone from its front."""
-        return row.blocks[evicted // self.block_size :]
+        """`row`'s blocks in cache-index order once `evicted` entries are gone from behind its shared prefix: the
+        prefix's blocks, then those past the freed ones."""
+        first = row.shared // self.block_size
+        return torch.cat([row.blocks[:first], row.blocks[first + evicted // self.block_size :]])

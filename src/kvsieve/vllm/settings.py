@@ -36,14 +36,8 @@ class PluginConfigError(ValueError):
 def unservable(policy: Policy) -> list[str]:
     """Why vLLM cannot serve `policy`: every input it reads that vLLM's attention does not give, and more."""
     needs, why = policy.needs, []
-    if needs.accumulated:
-        why.append("the attention every entry received from all prompt queries (vLLM's kernel does not return it)")
     if needs.reconstruction is not None:
         why.append("a second pass in which the model repeats its prompt (vLLM makes no such pass)")
-    if needs.output_projection:
-        why.append("the attention output projection W_o (the attention backend does not hold it)")
-    if any(measure.reads_output for measure in needs.measures):
-        why.append("each window query's attention output over the held entries (not recorded inside vLLM)")
     if policy.needs_spans:
         why.append(f"the {policy.projection.name} projection's spans, which a vLLM request does not carry")
     if policy.storage != FULL_STORAGE:
@@ -103,10 +97,11 @@ class PluginSettings:
         are compacted once, after their last chunk."""
         return None if self.policy.names_merge else self.policy.evicting_again()
 
-    def prompt_size(self, prompt: int) -> int:
+    def prompt_size(self, prompt: int, shared: int = 0) -> int:
         """Entries per (layer, kv-head) a prompt of `prompt` tokens keeps: `max_tokens`, or what the rate keeps of
-        it (its protected entries and the rate's share of the rest), the size its chunks are compacted to."""
+        it (its protected entries, a shared prefix of `shared` tokens among them, and the rate's share of the rest),
+        the size its chunks are compacted to."""
         if isinstance(self.budget, MaxTokens):
             return self.budget.max_tokens
-        protected = min(prompt, self.policy.n_sink + self.policy.n_recent)
+        protected = min(prompt, max(shared, self.policy.n_sink) + self.policy.n_recent)
         return protected + uniform_keep(prompt - protected, self.budget.rate)

@@ -10,17 +10,19 @@ import operator
 import torch
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from ..modeling.architecture import attention_module, decoder_layers, output_projection
 from ..modeling.rotary import find_rotary
 from ..selection.checkpoint import load_gates
 from ..selection.merge import folds
 from . import worker_state
 from .compaction import WorkerSieve
+from .layout import CPUCacheLayout
 from .settings import CONFIG_KEY, PluginSettings
 
 
 def transformers_model(path: str) -> torch.nn.Module:
-    """The served model as `transformers` loads it (CPU, bfloat16): what ties retention gates to their model, and
-    the rotary embedding kvsieve undoes to read keys as the gates were trained on them."""
+    """The served model as `transformers` loads it (CPU, bfloat16): what ties retention gates to their model, the
+    rotary embedding kvsieve undoes to read keys as the gates were trained on them, and each layer's `W_o`."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
@@ -29,12 +31,16 @@ def transformers_model(path: str) -> torch.nn.Module:
 def worker_sieve(settings: PluginSettings, runner: object, model_path: str) -> WorkerSieve:
     """The worker's kvsieve state, with the gates and rotary embedding the policy reads (checked against the model),
     recording what the merge its gates' checkpoint records reads (for a policy that names no merge)."""
-    policy = settings.policy
-    sieve = WorkerSieve(settings, runner, needs=policy.needs)
-    if policy.needs.gates or policy.needs.rotary:
+    policy, needs = settings.policy, settings.policy.needs
+    sieve = WorkerSieve(settings, runner, CPUCacheLayout(), needs=needs)
+    if needs.gates or needs.rotary or needs.output_projection:
         model = transformers_model(model_path)
-        sieve.gates = {source: load_gates(source, model).float() for source in policy.needs.gates}
-        sieve.rotary = find_rotary(model.float())
+        sieve.gates = {source: load_gates(source, model).float() for source in needs.gates}
+        model = model.float()
+        sieve.rotary = find_rotary(model)
+        if needs.output_projection:
+            layers = (attention_module(layer) for layer in decoder_layers(model))
+            sieve.output_weights = {index: output_projection(module) for index, module in enumerate(layers)}
     if policy.merge is None:
         recorded = (gates.merge.needs for gates in sieve.gates.values() if folds(gates.merge))
         sieve.needs = functools.reduce(operator.or_, recorded, policy.needs)
@@ -57,6 +63,7 @@ class SieveCPUWorker(CPUWorker):
         if self.kvsieve is not None:
             self.kvsieve.forget(scheduler_output.finished_req_ids)
             self.kvsieve.forget(scheduler_output.preempted_req_ids or ())
+            self.kvsieve.shared = getattr(scheduler_output, "kvsieve_shared", {})
         return super().execute_model(scheduler_output, *args, **kwargs)
 
     def sample_tokens(self, *args, **kwargs):

@@ -7,7 +7,7 @@ import operator
 
 import torch
 
-from ...modeling.architecture import attention_module, decoder_layers
+from ...modeling.architecture import attention_module, decoder_layers, output_projection
 from ...modeling.gates import RetentionGates
 from ...selection.checkpoint import load_gates
 from ...selection.observation import LayerFacts, Needs
@@ -23,20 +23,6 @@ def recorded_needs(facts: list[LayerFacts]) -> Needs:
     its gates' one, `Policy.merged`), so that one prefill records it too."""
     gates = facts[0].gates.values() if facts else ()
     return functools.reduce(operator.or_, (g.merge.needs for g in gates if g.merge is not None), Needs())
-
-
-#: What `transformers` calls an attention module's output projection (GPT-NeoX: `dense`).
-OUTPUT_PROJECTIONS = ("o_proj", "dense")
-
-
-def output_projection(module: torch.nn.Module) -> torch.Tensor:
-    """The attention output projection weight `[hidden, q_heads * head_dim]`, or a clear error."""
-    for name in OUTPUT_PROJECTIONS:
-        projection = getattr(module, name, None)
-        if isinstance(projection, torch.nn.Linear):
-            return projection.weight.detach()
-    names = " or ".join(OUTPUT_PROJECTIONS)
-    raise ValueError(f"{type(module).__name__} has no output projection ({names}), which the scorer needs")
 
 
 def layer_facts(model: torch.nn.Module, needs: Needs | None = None) -> list[LayerFacts]:
