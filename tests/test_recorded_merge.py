@@ -86,13 +86,16 @@ def test_one_prefill_records_what_the_recorded_merge_reads(model, ids, recording
 
 
 def test_caches_that_evict_again_do_without_the_recorded_merge(model, ids, recording):
-    """A bounded cache and the vLLM plugin take the policy and keep no merged entry (a named merge stays refused)."""
+    """A bounded cache and the vLLM plugin holding a size take the policy and keep no merged entry (a named merge
+    stays refused); the plugin compressing each prompt once keeps the recorded merge, as `compress` does."""
     policy = f"trimkv+global:gates={recording}"
     bounded = kvsieve.compress(model, ids, policy, max_tokens=40, buffer=8)
     assert _same_caches(bounded, kvsieve.compress(model, ids, f"{policy},merge=none", max_tokens=40, buffer=8))
     assert all(layer.merged is None for layer in bounded.layers)
-    settings = PluginSettings.parse({"policy": f"trimkv:gates={recording}", "rate": 0.5})
-    assert settings.policy.merge == NO_MERGE
+    held = PluginSettings.parse({"policy": f"trimkv:gates={recording}", "max_tokens": 40, "buffer": 8})
+    assert held.policy.merge == NO_MERGE
+    once = PluginSettings.parse({"policy": f"trimkv:gates={recording}", "rate": 0.5})
+    assert once.policy.merge is None and once.chunk_policy.merge == NO_MERGE  # its chunked prompts evict again
 
 
 def test_a_merge_fills_the_slots_of_its_bytes(model, ids):

@@ -16,6 +16,7 @@ import time
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -203,6 +204,28 @@ def test_entry_point_loads_the_plugin_in_a_fresh_process():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     assert out.stdout.split()[-2:] == [BACKEND, "True"]
+
+
+@pytest.mark.parametrize(("isa", "dtype"), [("vec", torch.float32), ("vec16", torch.float32), ("amx", torch.bfloat16)])
+def test_the_block_layout_is_learnt_from_vllms_kernel(isa, dtype):
+    """kvsieve reads and writes vLLM's cache where vLLM's own kernel puts each number: learnt by a probe, for the
+    ``vec`` kernels their documented layout, for ``amx`` (bfloat16 on CPUs with AMX) whatever it is."""
+    from kvsieve.vllm.layout import BlockLayout, _kernel_write, probe_layout, read_entries
+
+    if isa == "amx" and not torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has no AMX tiles: vLLM never picks the amx kernel here")
+    layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
+    heads, size, dim = 3, 128, 64 if isa != "vec16" else 80
+    learnt = probe_layout(layer, "auto", (2, heads, size, 2 * dim), dtype)
+    assert (learnt.tiles is None) == (isa == "vec16")  # read tile by tile, but head_dim 80 is no power of two
+    if isa != "amx":
+        expected = BlockLayout.transposed_keys(heads, size, dim)
+        assert torch.equal(learnt.keys, expected.keys) and torch.equal(learnt.values, expected.values)
+    cache = torch.zeros(3, heads, size, 2 * dim, dtype=dtype)
+    keys, values = (torch.randn(size + 5, heads, dim).to(dtype) for _ in "kv")
+    _kernel_write(layer, "auto", cache, keys, values, torch.arange(size + 5) + size)  # blocks 1 and 2
+    read_keys, read_values = read_entries(cache, torch.tensor([1, 2]), size + 5, learnt)
+    assert torch.equal(read_keys, keys.transpose(0, 1)) and torch.equal(read_values, values.transpose(0, 1))
 
 
 #: Every scorer vLLM can feed (the others are refused when the engine starts: tests/test_vllm_plugin_parts.py), and

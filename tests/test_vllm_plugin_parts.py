@@ -19,7 +19,7 @@ from kvsieve.vllm.cells import pack_cells
 from kvsieve.vllm.compaction import ReadLayer, WorkerSieve
 from kvsieve.vllm.engine import SCHEDULER, SUPPORTED_VLLM, WORKER, prepare_engine_args
 from kvsieve.vllm.held import CompactedLayer, HeldCache, RecentMeasures
-from kvsieve.vllm.layout import CPUCacheLayout, read_cells, read_entries, write_cells
+from kvsieve.vllm.layout import BlockLayout, CPUCacheLayout, read_cells, read_entries, write_cells
 from kvsieve.vllm.plan import RowPlan, StepPlan
 from kvsieve.vllm.ragged import HeldEntries, ragged_attention
 from kvsieve.vllm.settings import PluginConfigError, PluginSettings, unservable
@@ -158,19 +158,41 @@ def test_cells_hold_every_entry_once_in_the_mean_count(counts):
 
 def test_cells_are_written_and_read_back_across_layers():
     blocks, heads, size, dim = 4, 2, 4, 3
+    vec = BlockLayout.transposed_keys(heads, size, dim)
     caches = {layer: torch.zeros(blocks, heads, size, 2 * dim) for layer in range(2)}
     packing = pack_cells([[9, 1], [3, 0]])  # rows 4: one block of 4 in every lane, lane (0, 0) spills into others
     order = torch.tensor([2])
     written = []
     for cells in packing.layers:  # every layer written before any is read: no layer's cells overwrite another's
         keys, values = torch.randn(heads, cells.index.shape[1], dim), torch.randn(heads, cells.index.shape[1], dim)
-        write_cells(caches, order, cells, keys, values)
+        write_cells(caches, order, cells, keys, values, vec)
         written.append((keys, values))
     for cells, (keys, values) in zip(packing.layers, written, strict=True):
-        read_keys, read_values = read_cells(caches, order, cells)
+        read_keys, read_values = read_cells(caches, order, cells, vec)
         valid = cells.valid
         assert torch.equal(read_keys[valid], keys[valid]) and torch.equal(read_values[valid], values[valid])
     assert all(bool(cache[[0, 1, 3]].eq(0).all()) for cache in caches.values())  # other blocks untouched
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+def test_cells_are_read_whole_tiles_at_a_time_or_number_by_number_alike(tiled):
+    heads, size, dim = 2, 8, 4
+    vec = BlockLayout.transposed_keys(heads, size, dim)
+    assert vec.tiles is not None  # the vec layout is one tile per (block, head): keys transposed, values as they are
+    layout = vec if tiled else BlockLayout(vec.keys.flip(1), vec.values.flip(1))  # offsets reversed: no bit order
+    assert (layout.tiles is None) is not tiled
+    caches = {layer: torch.randn(5, heads, size, 2 * dim) for layer in range(2)}
+    packing = pack_cells([[13, 2], [6, 1]])
+    for layer, cells in enumerate(packing.layers):
+        cells = cells.with_tail(layer, packing.rows, packing.rows + 3)
+        keys, values = read_cells(caches, torch.tensor([3, 1, 4]), cells, layout)
+        block = torch.tensor([3, 1, 4])[cells.index // size]
+        flat = {index: cache.view(5, -1) for index, cache in caches.items()}
+        for head, column in zip(*cells.valid.nonzero(as_tuple=True), strict=True):
+            at = flat[int(cells.layer[head, column])][block[head, column]]
+            lane, offset = cells.head[head, column], cells.index[head, column] % size
+            assert torch.equal(keys[head, column], at[layout.keys[lane, offset]])
+            assert torch.equal(values[head, column], at[layout.values[lane, offset]])
 
 
 def test_ragged_attention_is_exact_with_merged_entries_and_a_causal_tail():
@@ -225,12 +247,13 @@ def test_a_request_held_at_a_size_is_observed_as_bounded():
         assert observation.bounded is bounded and observation.positions.tolist() == [list(range(8))]
 
 
-def test_read_entries_follows_the_cpu_layout():
-    """Keys transposed per (block, head) `[head_dim, block_size]`, then values `[block_size, head_dim]`."""
+def test_read_entries_follows_the_vec_layout():
+    """The ``vec`` kernels' layout: keys transposed per (block, head) `[head_dim, block_size]`, then values
+    `[block_size, head_dim]` (what vLLM's kernel writes: tests/test_vllm.py)."""
     blocks, heads, size, dim = 3, 2, 4, 2
     keys, values = torch.randn(blocks, heads, dim, size), torch.randn(blocks, heads, size, dim)
     cache = torch.cat([keys.flatten(2), values.flatten(2)], dim=2).view(blocks, heads, size, 2 * dim)
-    read_keys, read_values = read_entries(cache, torch.tensor([2, 0]), 6)
+    read_keys, read_values = read_entries(cache, torch.tensor([2, 0]), 6, BlockLayout.transposed_keys(heads, size, dim))
     for index in range(6):
         block, offset = (2, 0)[index // size], index % size
         assert torch.equal(read_keys[:, index], keys[block, :, :, offset])

@@ -55,8 +55,9 @@ class SieveAttentionImpl(CPUAttentionBackendImpl):
                 weight = sieve.output_weights.get(layer_idx)
                 self.kvsieve_facts = LayerFacts(self.scale, self.num_heads, output_weight=weight, gates=sieve.gates)
             sieve.caches[layer_idx] = kv_cache
+            sieve.layout.check(layer, self.kv_cache_dtype, kv_cache)
             sieve.attend(layer_idx, self.kvsieve_facts, query, output, plan)
-            sieve.after_attention(layer, self.kv_cache_dtype, self.kvsieve_facts, query, output, kv_cache, plan)
+            sieve.after_attention(layer_idx, self.kvsieve_facts, query, output, plan)
         return output
 
 

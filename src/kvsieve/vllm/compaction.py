@@ -131,28 +131,19 @@ class WorkerSieve:
                     held.add_received(layer_idx, entries, received)
 
     def after_attention(
-        self,
-        layer: torch.nn.Module,
-        kv_cache_dtype: str,
-        facts: LayerFacts,
-        query: torch.Tensor,
-        output: torch.Tensor,
-        kv_cache: torch.Tensor,
-        plan: StepPlan,
+        self, layer_idx: int, facts: LayerFacts, query: torch.Tensor, output: torch.Tensor, plan: StepPlan
     ) -> None:
         """Record what one layer's window queries yielded (`query`, `output`: `[tokens, q_heads * d]` of the step)
         and read its due requests' entries; after the last layer, compact."""
         needs = self.needs
         if not needs.window and not plan.due:
             return
-        layer_idx = layer_index(layer.layer_name)
         for row in plan.rows:
             held = self.held[row.req_id]
             if needs.window:
                 recent = held.recent.setdefault(layer_idx, RecentMeasures(needs.window))
                 self._record(recent, row, facts.q_heads, query, output)
             if row.due:
-                self.layout.check(layer, kv_cache_dtype, kv_cache)
                 read = ReadLayer(facts, self._entries(layer_idx, row, plan))
                 self.reads.setdefault(row.req_id, {})[layer_idx] = read
         if plan.due and all(len(self.reads.get(row.req_id, ())) == plan.num_layers for row in plan.due):
