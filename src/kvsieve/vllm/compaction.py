@@ -1,10 +1,11 @@
-"""The worker's side of the plugin: plan each step, record window queries, score with `kvsieve.selection`, compact.
+"""The worker's side of the plugin: plan each step, attend what vLLM's kernel cannot, record what the policy reads,
+score with `kvsieve.selection`, compact.
 
-Scoring reads exactly what `kvsieve.compress` reads, built from vLLM's own cache: every layer's keys
-and values, their positions and what the last window queries yielded; `Policy.select` decides over all layers at
-once (the allocator and the budget see the whole request). The kept entries of every (layer, kv-head)
-are written to the front of the request's blocks, the blocks in front of them are reported to the
-scheduler, which gives them back to vLLM's pool.
+Scoring reads exactly what `kvsieve.compress` reads, built from vLLM's own cache: every layer's keys and values,
+their positions, what the last window queries yielded and, where the scorer reads it, the attention every entry
+received; `Policy.select` decides over all layers at once (the allocator and the budget see the whole request).
+The kept entries of every (layer, kv-head) are packed into the request's cells behind its shared prefix
+(`kvsieve.vllm.cells`); the blocks behind them are reported to the scheduler, which gives them back to vLLM's pool.
 """
 
 from __future__ import annotations
