@@ -74,7 +74,7 @@ test-compare: setup-compare
 
 # The vLLM plugin in vLLM's CPU build (tests/test_vllm.py starts engines in-process and an OpenAI server).
 vllm: setup-vllm
-	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py tests/test_vllm_plugin_parts.py
+	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py tests/test_vllm_lifecycle.py tests/test_vllm_plugin_parts.py
 
 # Build the wheel and sdist, install the wheel alone (core dependencies only) into a clean environment, check
 # that it finds the shipped gates and keeps what the editable install keeps on the default model, then add
