@@ -97,6 +97,17 @@ def request_blocks(sched) -> list:
     return next(iter(blocks.values()), [])
 
 
+def run_alone(llm, ids: list[int], n: int) -> tuple[object, list[int]]:
+    """Step the engine through one greedy request: its output and the blocks it holds after each step."""
+    sched, core = scheduler(llm), llm.llm_engine
+    core.add_request("r", {"prompt_token_ids": ids}, greedy(n))
+    held, done = [], []
+    while core.has_unfinished_requests():
+        done += [out for out in core.step() if out.finished]
+        held.append(sum(block.block_id != 0 for block in request_blocks(sched)))
+    return done[0], held
+
+
 def greedy(n: int, logprobs: int | None = None):
     return vllm.SamplingParams(max_tokens=n, temperature=0.0, logprobs=logprobs)
 
@@ -291,17 +302,11 @@ def test_bounded_generation_holds_its_size(folder, reference, prompts, compactio
     ids, n, size, buffer = prompts[1], 120, 200, 32
     tokens = kvsieve_greedy(model, ids, n, "snapkv", max_tokens=size, buffer=buffer).tokens
     with engine(folder, {"policy": "snapkv", "max_tokens": size, "buffer": buffer}) as llm:
-        sched, core = scheduler(llm), llm.llm_engine
-        core.add_request("r", {"prompt_token_ids": ids}, greedy(n))
-        held = []
-        while core.has_unfinished_requests():
-            outputs = core.step()
-            held.append(sum(block.block_id != 0 for block in request_blocks(sched)))
-            done = [out for out in outputs if out.finished]
+        done, held = run_alone(llm, ids, n)
     assert len(compactions) == 1 + (n - 1) // buffer  # the prompt's, then one per `buffer` tokens fed
     assert all(len(head) == size for c in compactions for layer in c.kept.values() for head in layer)
     assert 0 < max(held) <= -(-(size + buffer) // BLOCK) + 1
-    assert list(done[0].outputs[0].token_ids) == tokens
+    assert list(done.outputs[0].token_ids) == tokens
 
 
 def test_concurrent_requests_stay_independent(folder, prompts):

@@ -24,7 +24,7 @@ from test_vllm import (  # noqa: E402
     generate,
     greedy,
     kvsieve_greedy,
-    request_blocks,
+    run_alone,
     scheduler,
 )
 
@@ -65,16 +65,10 @@ def test_a_prompt_prefilled_in_chunks_is_compacted_after_each(folder, reference,
     size = budget.get("max_tokens") or len(kvsieve_greedy(model, ids, 2, "snapkv", **budget).kept[0][0])
     ours = chunked_greedy(model, ids, n, policy, chunk, size)
     with engine(folder, {"policy": policy, **budget}, max_num_batched_tokens=chunk, enable_chunked_prefill=True) as llm:
-        sched, core = scheduler(llm), llm.llm_engine
-        core.add_request("r", {"prompt_token_ids": ids}, greedy(n))
-        held = []
-        while core.has_unfinished_requests():
-            outputs = core.step()
-            held.append(sum(block.block_id != 0 for block in request_blocks(sched)))
-            done = [out for out in outputs if out.finished]
+        done, held = run_alone(llm, ids, n)
     assert [c.seen for c in compactions] == [256, 384, 512, len(ids)]  # when the next chunk would pass size + chunk
     assert_same_decisions(model, ids, policy, compactions[-1].kept, ours.kept)
-    assert list(done[0].outputs[0].token_ids) == ours.tokens
+    assert list(done.outputs[0].token_ids) == ours.tokens
     assert max(held) <= -(-(size + chunk) // BLOCK) + 1
 
 

@@ -104,16 +104,20 @@ def test_a_compacted_row_writes_at_its_position_less_the_evicted():
         "s", 2, 3, computed=5, seen=6, prompt=6, blocks=torch.tensor([1, 2, 0, 0, 0, 0]), evicted=0, due=False
     )
     ragged = RowPlan("t", 3, 5, computed=20, seen=22, prompt=10, blocks=blocks, evicted=9, due=False, ragged=True)
-    plan = StepPlan((row, fresh, ragged), num_layers=2, block_size=4)
-    table = torch.stack([blocks, fresh.blocks, blocks])
-    metadata = Metadata(table, torch.tensor([22, 6, 22]), torch.tensor([-1, -1, 5, -1, -1]), 22)
+    tallied = RowPlan("u", 5, 8, computed=4, seen=7, prompt=9, blocks=blocks, evicted=0, due=False, tally=True)
+    plan = StepPlan((row, fresh, ragged, tallied), num_layers=2, block_size=4)
+    table = torch.stack([blocks, fresh.blocks, blocks, blocks])
+    metadata = Metadata(table, torch.tensor([22, 6, 22, 7]), torch.tensor([-1, -1, 5, -1, -1, 8, 9, 10]), 22)
     remapped = plan.remap(metadata)
     assert remapped.block_table_tensor[0, :4].tolist() == [9, 4, 5, 6]  # two whole blocks skipped
     # positions 20, 21 -> cache indices 11, 12 -> (block 5, offset 3), (block 6, offset 0)
     assert remapped.slot_mapping[:2].tolist() == [5 * 4 + 3, 6 * 4 + 0]
-    assert remapped.slot_mapping[3:].tolist() == [5 * 4 + 3, 6 * 4 + 0]  # a ragged row writes where any row does
-    # vLLM's kernel reads no more of a ragged row than its queries: kvsieve's attention replaces its output
-    assert remapped.slot_mapping[2] == 5 and remapped.seq_lens.tolist() == [13, 6, 2] and remapped.max_seq_len == 13
+    assert remapped.slot_mapping[3:5].tolist() == [5 * 4 + 3, 6 * 4 + 0]  # a ragged row writes where any row does
+    # vLLM's kernel reads no more of a row kvsieve attends (ragged, or tallied before any eviction) than its queries
+    assert remapped.slot_mapping[2] == 5 and remapped.seq_lens.tolist() == [13, 6, 2, 3] and remapped.max_seq_len == 13
+    assert (
+        remapped.slot_mapping[5:].tolist() == [8, 9, 10] and remapped.block_table_tensor[3].tolist() == blocks.tolist()
+    )
     assert plan.blocks_after(row, 9).tolist() == [9, 4, 5, 6]
 
 

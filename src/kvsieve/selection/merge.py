@@ -27,16 +27,21 @@ it grows (a `buffer` or `chunk`, the vLLM plugin) refuses a policy that names on
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping, Sequence
+import operator
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
 from .errors import PolicyError
 from .fields import changed_fields
 from .observation import Needs, Observation
+
+if TYPE_CHECKING:
+    from ..modeling.gates import RetentionGates
 
 #: Why a cache that evicts again as it grows refuses a policy that merges.
 MERGE_ONCE = (
@@ -244,6 +249,12 @@ MERGES: dict[str, type[Merge]] = {cls.name: cls for cls in (MeanMerge, WindowMer
 def folds(merge: Merge | None) -> bool:
     """Whether `merge` folds what a head evicts (not None, not ``merge=none``)."""
     return merge is not None and merge != NO_MERGE
+
+
+def recorded_merge_needs(gates: Iterable[RetentionGates]) -> Needs:
+    """What the merges recorded in the checkpoints of `gates` read (a policy naming no merge folds with its gates'
+    one, `Policy.merged`), so that whatever observes the prompt records it too."""
+    return functools.reduce(operator.or_, (g.merge.needs for g in gates if folds(g.merge)), Needs())
 
 
 def make_merge(choice: object, **params: object) -> Merge | None:

@@ -121,7 +121,7 @@ class WorkerSieve:
         """Write into `output` the attention of every row of the step that kvsieve attends itself: a ragged one (vLLM's
         kernel cannot read its cells) and one whose entries' received attention the policy reads (tallied)."""
         for row in plan.rows:
-            if row.ragged or row.tally:
+            if row.attended:
                 held, entries = self.held[row.req_id], self._entries(layer_idx, row, plan)
                 bias = held.bias(layer_idx, entries.keys.shape[0], row.stored)
                 attended, received = ragged_attention(
@@ -228,8 +228,7 @@ class WorkerSieve:
         held.mean = held.shared + sum(sum(layer.counts) for layer in layers) / lanes
         held.ragged = not packing.identity or merged is not None
         self.evictions[row.req_id] = (evicted, held.mean)
-        if any(measure.reads_output for measure in self.needs.measures):
-            self._refresh(held, observations, keep, reads)
+        self._refresh(held, observations, keep, reads)
 
     def _refresh(
         self,
@@ -240,7 +239,7 @@ class WorkerSieve:
     ) -> None:
         """Measure again what reads the attention output, on each window query's output over the entries kept."""
         stale = [measure for measure in self.needs.measures if measure.reads_output]
-        for obs, kept in zip(observations, keep, strict=True):
+        for obs, kept in zip(observations, keep, strict=True) if stale else ():
             recent = held.recent[obs.layer_idx]
             queries = recent.measured[QUERIES.name]
             outputs = window_outputs(obs, kept, queries, recent.positions, reads[obs.layer_idx].facts)

@@ -59,14 +59,19 @@ class TileOrder:
         stride = int(strides[0]) if len(strides) else 0
         return None if bits is None else cls(int(bases[0]), stride, bits)
 
+    @functools.cached_property
+    def axes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The tile as an array: its axes' sizes in storage order (one axis per run of source bits stored next to
+        each other), and the order that puts them as (offset, channel)."""
+        runs = _runs(self.bits)  # (top tile bit, bits) of each run, in source order
+        in_tile = sorted(range(len(runs)), key=lambda r: -runs[r][0])
+        return tuple(1 << runs[r][1] for r in in_tile), tuple(in_tile.index(r) for r in range(len(runs)))
+
     def canonical(self, blocks: torch.Tensor, heads: int, block_size: int, dim: int) -> torch.Tensor:
         """`[len(blocks), kv_heads, block_size, dim]` this kind's numbers, from whole blocks `[count, numbers]`."""
-        count = blocks.shape[0]
+        count, (sizes, order) = blocks.shape[0], self.axes
         tiles = blocks.as_strided((count, heads, block_size * dim), (blocks.stride(0), self.stride, 1), self.first)
-        runs = _runs(self.bits)  # (top tile bit, bits) of each run of source bits stored next to each other
-        in_tile = sorted(range(len(runs)), key=lambda r: -runs[r][0])
-        shaped = tiles.reshape(count, heads, *(1 << runs[r][1] for r in in_tile))
-        ordered = shaped.permute(0, 1, *(2 + in_tile.index(r) for r in range(len(runs))))
+        ordered = tiles.reshape(count, heads, *sizes).permute(0, 1, *(2 + axis for axis in order))
         return ordered.reshape(count, heads, block_size, dim)
 
 

@@ -45,6 +45,11 @@ class RowPlan:
         return torch.arange(self.computed, self.seen)
 
     @property
+    def attended(self) -> bool:
+        """Whether kvsieve attends it itself this step (ragged or tallied), in place of vLLM's kernel."""
+        return self.ragged or self.tally
+
+    @property
     def stored(self) -> int:
         """Entries per (layer, kv-head) the cache holds after the step."""
         return self.seen - self.evicted
@@ -65,20 +70,23 @@ class StepPlan:
     def remap(self, metadata: object) -> object:
         """vLLM's common attention metadata with each compacted row's tokens written at cache index `p - evicted`:
         its block-table row without the freed blocks (`blocks_after`), its slots rewritten in place (the KV write
-        reads the same tensor), its attention length cut by `evicted`. A ragged row's length is cut to its query:
-        kvsieve's attention overwrites what vLLM's kernel computes for it, so the kernel reads no more than it must."""
-        if not any(row.evicted for row in self.rows):
+        reads the same tensor), its attention length cut by `evicted`. The length of a row kvsieve attends itself is
+        cut to its query: kvsieve's attention overwrites what vLLM's kernel computes for it, so the kernel reads no
+        more than it must."""
+        if not any(row.evicted or row.attended for row in self.rows):
             return metadata
         table, seq_lens = metadata.block_table_tensor.clone(), metadata.seq_lens.clone()
         for i, row in enumerate(self.rows):
-            if not row.evicted:
-                continue
-            blocks = self.blocks_after(row, row.evicted)
-            table[i, : len(blocks)] = blocks
-            cache_index = row.positions - row.evicted
-            slots = table[i, cache_index // self.block_size].long() * self.block_size + cache_index % self.block_size
-            metadata.slot_mapping[row.start : row.stop] = slots.to(metadata.slot_mapping.dtype)
-            seq_lens[i] = row.stop - row.start if row.ragged or row.tally else seq_lens[i] - row.evicted
+            if row.evicted:
+                blocks = self.blocks_after(row, row.evicted)
+                table[i, : len(blocks)] = blocks
+                cache_index = row.positions - row.evicted
+                slots = table[i, cache_index // self.block_size].long() * self.block_size
+                slots += cache_index % self.block_size
+                metadata.slot_mapping[row.start : row.stop] = slots.to(metadata.slot_mapping.dtype)
+                seq_lens[i] -= row.evicted
+            if row.attended:
+                seq_lens[i] = row.stop - row.start
         return dataclasses.replace(
             metadata,
             block_table_tensor=table,

@@ -4,8 +4,6 @@ each step's compactions to the scheduler on the model runner's output."""
 from __future__ import annotations
 
 import copy
-import functools
-import operator
 
 import torch
 from vllm.v1.worker.cpu_worker import CPUWorker
@@ -13,7 +11,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from ..modeling.architecture import attention_module, decoder_layers, output_projection
 from ..modeling.rotary import find_rotary
 from ..selection.checkpoint import load_gates
-from ..selection.merge import folds
+from ..selection.merge import recorded_merge_needs
 from . import worker_state
 from .compaction import WorkerSieve
 from .layout import CPUCacheLayout
@@ -42,8 +40,7 @@ def worker_sieve(settings: PluginSettings, runner: object, model_path: str) -> W
             layers = (attention_module(layer) for layer in decoder_layers(model))
             sieve.output_weights = {index: output_projection(module) for index, module in enumerate(layers)}
     if policy.merge is None:
-        recorded = (gates.merge.needs for gates in sieve.gates.values() if folds(gates.merge))
-        sieve.needs = functools.reduce(operator.or_, recorded, policy.needs)
+        sieve.needs = policy.needs | recorded_merge_needs(sieve.gates.values())
     return sieve
 
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-import operator
-
 import torch
 
 from ...modeling.architecture import attention_module, decoder_layers, output_projection
 from ...modeling.gates import RetentionGates
 from ...selection.checkpoint import load_gates
+from ...selection.merge import recorded_merge_needs
 from ...selection.observation import LayerFacts, Needs
 
 
@@ -21,8 +19,7 @@ def needed_gates(model: torch.nn.Module, needs: Needs) -> dict[str, RetentionGat
 def recorded_needs(facts: list[LayerFacts]) -> Needs:
     """What the merges recorded in the checkpoints of the loaded gates read (a policy naming no merge folds with
     its gates' one, `Policy.merged`), so that one prefill records it too."""
-    gates = facts[0].gates.values() if facts else ()
-    return functools.reduce(operator.or_, (g.merge.needs for g in gates if g.merge is not None), Needs())
+    return recorded_merge_needs(facts[0].gates.values() if facts else ())
 
 
 def layer_facts(model: torch.nn.Module, needs: Needs | None = None) -> list[LayerFacts]:
